@@ -1,0 +1,39 @@
+# sinkscope: where autoregressive video diffusion transformers put their attention.
+# The DAG and file contracts: DESIGN.md in the project's shared folder and README.md.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+validate(config, "schemas/config.schema.yaml")
+
+
+include: "rules/common.smk"
+include: "rules/models.smk"
+include: "rules/prompts.smk"
+include: "rules/extract.smk"
+include: "rules/reduce.smk"
+include: "rules/stats.smk"
+include: "rules/figures.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        expand(
+            "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+            layer=LAYERS,
+        ),
+        "results/stats/summary.csv",
+        expand(
+            "results/figures/{checkpoint}/{prompt}/figure4.{fmt}",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+            fmt=FIGURE_FORMAT,
+        ),
+        COMPARE_FIGURES,

@@ -1,0 +1,37 @@
+# Config checks that need files or model facts, names used by every rule, input functions.
+import re
+
+from sinkscope.config import (
+    ConfigError,
+    check_config,
+    checkpoint_inputs,
+    demo_text_encoder_dir,
+    extraction_gpus,
+    extraction_settings,
+)
+
+try:
+    check_config(config)
+except ConfigError as err:
+    raise WorkflowError(f"config.yaml: {err}") from None
+
+CHECKPOINTS = list(config["checkpoints"])
+PROMPTS = list(config["prompts"])
+LAYERS = sorted(config["layers"])
+FIGURE_FORMAT = config["figures"]["format"]
+DEMO_CHECKPOINTS = list(config["demo"]["checkpoints"])
+COMPARE_FIGURES = expand(
+    "results/figures/compare/{name}.{fmt}",
+    name=["checkpoints", "prompts", "passes"],
+    fmt=FIGURE_FORMAT,
+)
+
+
+def one_of(names):
+    return "|".join(map(re.escape, names)) or "(?!)"
+
+
+wildcard_constraints:
+    checkpoint=one_of(CHECKPOINTS),
+    prompt=one_of(PROMPTS),
+    layer=r"\d+",

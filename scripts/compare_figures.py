@@ -1,0 +1,18 @@
+"""Snakemake adapter: rule compare_figures (across checkpoints, prompts and passes)."""
+
+from pathlib import Path
+
+from sinkscope.logs import job_log
+from sinkscope.plots import render_compare_figures
+
+with job_log(snakemake.log[0]):
+    options = snakemake.params.figures
+    render_compare_figures(
+        list(snakemake.input),
+        Path(snakemake.output[0]).parent,
+        heads=[tuple(head) for head in options["heads"]],
+        measure=options["measure"],
+        frame_axis=options["frame_axis"],
+        step=options["step"],
+        fmt=options["format"],
+    )

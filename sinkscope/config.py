@@ -1,0 +1,207 @@
+"""Checks of a schema-validated config that need files or model facts, and per-job settings.
+
+Everything here runs when Snakemake parses the workflow, so a bad config fails before any job
+runs, with a message naming the key or file. No torch import: parsing must stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from .frames import block_sizes, visible_frames
+
+DEMO_DIR = "results/demo"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+DEMO_WEIGHT_FILES = ("config.json", WEIGHTS_NAME)
+
+
+class ConfigError(ValueError):
+    """A config.yaml problem; the message names the key or file."""
+
+
+def demo_checkpoint_dir(name: str) -> str:
+    return f"{DEMO_DIR}/{name}"
+
+
+def demo_text_encoder_dir() -> str:
+    return f"{DEMO_DIR}/text_encoder"
+
+
+def _is_demo_path(config: dict, path: str) -> bool:
+    made = {demo_checkpoint_dir(n) for n in config.get("demo", {}).get("checkpoints", {})}
+    return Path(path).as_posix().rstrip("/") in made
+
+
+def checkpoint_inputs(config: dict, name: str) -> list[str]:
+    """Files whose bytes define checkpoint `name`: the inputs of its extraction jobs."""
+    entry = config["checkpoints"][name]
+    base = Path(entry["base"])
+    files = [base / "config.json"]
+    if "generator" in entry:
+        return [str(p) for p in (*files, Path(entry["generator"]))]
+    index = base / INDEX_NAME
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files += [index, *(base / shard for shard in shards)]
+    else:
+        files.append(base / WEIGHTS_NAME)
+    return [str(p) for p in files]
+
+
+def _model_config(config: dict, name: str) -> dict:
+    """The DiT config of a checkpoint: its config.json, or the demo model it will be made from."""
+    entry = config["checkpoints"][name]
+    if _is_demo_path(config, entry["base"]):
+        from .wan.demo import DEMO_MODEL  # torch-free module-level constant
+
+        return {**DEMO_MODEL, **config["demo"].get("model", {})}
+    path = Path(entry["base"]) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"checkpoints.{name}.base: {path} is not valid JSON ({err})") from None
+
+
+def sampler_settings(config: dict, name: str) -> dict:
+    """The global sampler with the checkpoint's overrides."""
+    return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}
+
+
+def extraction_settings(config: dict, name: str) -> dict:
+    """Everything an extraction job of checkpoint `name` depends on, and nothing else.
+
+    Used as the job's params, so adding layers or prompts does not re-run existing jobs.
+    """
+    entry = config["checkpoints"][name]
+    return {
+        "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
+        "sampler": sampler_settings(config, name),
+        "video": dict(config["video"]),
+        "capture": dict(config["capture"]),
+        "seed": config["seed"],
+        "device": config["device"],
+    }
+
+
+def extraction_gpus(config: dict) -> int:
+    """GPUs an extraction job holds: none when it is told to run on the CPU."""
+    return 0 if config["device"] == "cpu" else 1
+
+
+def check_config(config: dict) -> None:
+    """Raise ConfigError for problems the schema cannot see. Paths are relative to the workdir."""
+    demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
+    for name, entry in config["checkpoints"].items():
+        key = f"checkpoints.{name}"
+        if _is_demo_path(config, entry["base"]):
+            if "generator" in entry:
+                raise ConfigError(f"{key}.generator: a demo checkpoint has no generator file")
+        else:
+            for path in checkpoint_inputs(config, name):
+                if not Path(path).is_file():
+                    hint = (
+                        f" (demo checkpoints are made under {DEMO_DIR}/<name> for names in "
+                        f"demo.checkpoints: {sorted(demo_checkpoints)})"
+                    )
+                    raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
+        model = _model_config(config, name)
+        num_layers = model.get("num_layers", 30)
+        num_heads = model.get("num_heads", 12)
+        bad = [layer for layer in config["layers"] if layer >= num_layers]
+        if bad:
+            raise ConfigError(
+                f"layers: {bad} out of range for checkpoint '{name}' "
+                f"with {num_layers} layers (0-based)"
+            )
+        for _, head in config["figures"]["heads"]:
+            if head >= num_heads:
+                raise ConfigError(
+                    f"figures.heads: head {head} out of range for checkpoint '{name}' "
+                    f"with {num_heads} heads (0-based)"
+                )
+        patch = model.get("patch_size", [1, 2, 2])
+        video = config["video"]
+        if video["latent_height"] % patch[1] or video["latent_width"] % patch[2]:
+            raise ConfigError(
+                f"video: latent grid {video['latent_height']}x{video['latent_width']} is not "
+                f"divisible by the patch size {patch[1]}x{patch[2]} of checkpoint '{name}'"
+            )
+        _check_sampler(config, name)
+    for layer, _ in config["figures"]["heads"]:
+        if layer not in config["layers"]:
+            raise ConfigError(
+                f"figures.heads: layer {layer} is not captured; add it to layers {config['layers']}"
+            )
+    encoder = config["text_encoder"]
+    demo_encoder = Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
+    if not demo_encoder:
+        for key in ("path", "tokenizer"):
+            path = encoder.get(key)
+            if path and not Path(path).is_dir():
+                raise ConfigError(f"text_encoder.{key}: directory not found: {path}")
+    video = config["video"]
+    if video["frames_per_block"] > video["num_frames"]:
+        raise ConfigError(
+            f"video.frames_per_block={video['frames_per_block']} exceeds "
+            f"video.num_frames={video['num_frames']}"
+        )
+    if config["figures"]["step"] >= len(_capture_passes(config)):
+        raise ConfigError(
+            f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
+            "passes are captured (capture.passes)"
+        )
+
+
+def resolve_passes(spec: str | int | Sequence[int | str], num_steps: int) -> list[int]:
+    """Pass indices within a block (0..num_steps-1 denoising steps, num_steps = cache pass).
+
+    spec: 'all', 'cache', 'last' (the last denoising step), an index, or a list of those.
+    """
+    cache = num_steps
+    if isinstance(spec, str | int):
+        spec = [spec]
+    chosen: set[int] = set()
+    for item in spec:
+        if item == "all":
+            chosen.update(range(num_steps + 1))
+        elif item == "cache":
+            chosen.add(cache)
+        elif item == "last":
+            chosen.add(num_steps - 1)
+        elif isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= cache:
+            chosen.add(item)
+        else:
+            raise ValueError(
+                f"capture.passes: {item!r} is not 'all', 'cache', 'last' or a pass index "
+                f"0..{cache} ({num_steps} denoising steps, then the cache pass)"
+            )
+    return sorted(chosen)
+
+
+def _capture_passes(config: dict) -> list[int]:
+    steps = min(len(sampler_settings(config, n)["steps"]) for n in config["checkpoints"])
+    try:
+        return resolve_passes(config["capture"]["passes"], steps)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_sampler(config: dict, name: str) -> None:
+    sampler = sampler_settings(config, name)
+    key = f"checkpoints.{name}.sampler" if "sampler" in config["checkpoints"][name] else "sampler"
+    if sampler["warp"] and any(float(s) != int(s) for s in sampler["steps"]):
+        raise ConfigError(
+            f"{key}.steps: warped steps must be integers 1..1000, got {sampler['steps']}"
+        )
+    video = config["video"]
+    sizes = block_sizes(video["num_frames"], video["frames_per_block"])
+    window = sampler["local_attn_size"]
+    if window == -1 and sampler["sink_size"]:
+        raise ConfigError(f"{key}.sink_size needs a window (local_attn_size != -1)")
+    try:
+        visible_frames(sizes, window, sampler["sink_size"])
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None

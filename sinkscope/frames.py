@@ -1,0 +1,83 @@
+"""Frame bookkeeping shared by every stage: blocks, token <-> frame maps, latent <-> video frames.
+
+Everything here is plain numpy so that the analysis stages never need torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def block_sizes(num_frames: int, frames_per_block: int) -> list[int]:
+    """Latent frames per autoregressive block; a remainder forms a shorter last block."""
+    if num_frames < 1 or frames_per_block < 1:
+        raise ValueError(
+            f"need num_frames >= 1 and frames_per_block >= 1, got {num_frames}, {frames_per_block}"
+        )
+    full, rest = divmod(num_frames, frames_per_block)
+    return [frames_per_block] * full + ([rest] if rest else [])
+
+
+def block_starts(sizes: list[int]) -> np.ndarray:
+    """First latent frame of each block."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def block_of_frame(sizes: list[int]) -> np.ndarray:
+    """Block index of every latent frame."""
+    return np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)
+
+
+def token_frames(num_frames: int, frame_seq_length: int) -> np.ndarray:
+    """Absolute latent frame of every token: token = frame * T + h * W' + w."""
+    return np.repeat(np.arange(num_frames, dtype=np.int32), frame_seq_length)
+
+
+def visible_frames(sizes: list[int], local_attn_size: int = -1, sink_size: int = 0) -> np.ndarray:
+    """Which key frames each query frame can see in every pass of its block, as bool [F, F].
+
+    Simulates the Self-Forcing KV cache at frame granularity: without a window every block sees all
+    earlier frames and itself; with a window of `local_attn_size` frames the oldest non-sink frames
+    are evicted first-in first-out, and the first `sink_size` frames are never evicted.
+    """
+    num_frames = int(sum(sizes))
+    capacity = num_frames if local_attn_size == -1 else local_attn_size
+    if local_attn_size != -1 and capacity < sink_size + max(sizes):
+        raise ValueError(
+            f"local_attn_size={local_attn_size} frames cannot hold sink_size={sink_size} "
+            f"plus a block of {max(sizes)} frames"
+        )
+    cached: list[int] = []  # absolute frames in slot order
+    seen = np.zeros((num_frames, num_frames), dtype=bool)
+    for start, size in zip(block_starts(sizes), sizes, strict=True):
+        new = list(range(int(start), int(start) + size))
+        overflow = len(cached) + size - capacity
+        if overflow > 0:
+            cached = cached[:sink_size] + cached[sink_size + overflow :]
+        cached = cached + new
+        seen[np.ix_(new, cached)] = True
+    return seen
+
+
+def video_frames_of_latent(latent_frame: int) -> range:
+    """Video frames decoded from one latent frame by Wan's causal VAE (temporal stride 4).
+
+    Latent 0 -> frame 0; latent k >= 1 -> frames 4k-3 .. 4k.
+    """
+    if latent_frame < 0:
+        raise ValueError(f"latent frame must be >= 0, got {latent_frame}")
+    if latent_frame == 0:
+        return range(0, 1)
+    return range(4 * latent_frame - 3, 4 * latent_frame + 1)
+
+
+def num_video_frames(num_latent_frames: int) -> int:
+    """81 video frames for 21 latent frames."""
+    return 4 * (num_latent_frames - 1) + 1
+
+
+def video_frame_centers(num_latent_frames: int) -> np.ndarray:
+    """Mean video frame index of each latent frame: where to draw it on a video-frame axis."""
+    return np.array(
+        [np.mean(video_frames_of_latent(k)) for k in range(num_latent_frames)], dtype=np.float64
+    )

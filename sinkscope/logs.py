@@ -1,0 +1,34 @@
+"""Job logging for Snakemake scripts: everything a job prints goes to its log file."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def job_log(path: str | Path | None) -> Iterator[None]:
+    """Send logging, stdout and stderr (progress bars) to `path`; record a failure's traceback."""
+    if path is None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        yield
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", buffering=1) as handle:
+        handler = logging.StreamHandler(handle)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        try:
+            with contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
+                yield
+        except BaseException:
+            handle.write(traceback.format_exc())
+            raise
+        finally:
+            root.removeHandler(handler)

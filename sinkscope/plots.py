@@ -1,0 +1,922 @@
+"""Frame datasets (Contract 2) -> paper figures: Deep Forcing Fig. 4 and its companions.
+
+Two layers of API:
+- `plot_*` builders take loaded frame datasets and return a `matplotlib.figure.Figure`; tests read
+  the plotted numbers back from them.
+- `render_run_figures` / `render_compare_figures` open the zarr stores, call the builders and write
+  the files the workflow declares.
+
+Figures are bare `Figure` objects (no pyplot global state, no GUI backend) drawn under one style
+(`STYLE`): text stays text in SVG, everything is vector, and the same data give the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import wraps
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import xarray as xr
+from matplotlib.axes import Axes
+from matplotlib.colors import Colormap, LogNorm, Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from sinkscope import frames
+
+MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
+PROFILE_LABELS = {
+    "logits": "Attention logit (query-averaged)",
+    "probabilities": "Probability mass (query-averaged)",
+}
+MAP_LABELS = {
+    "logits": "Attention logit (frame-pair mean)",
+    "probabilities": "Attention probability mass",
+}
+FRAME_AXES = ("latent", "video")
+KEY_AXIS_LABELS = {"latent": "Key frame (latent)", "video": "Key frame (video)"}
+QUERY_AXIS_LABELS = {"latent": "Query frame (latent)", "video": "Query frame (video)"}
+FORMATS = ("svg", "png", "pdf")
+PARTS = ("first", "middle", "last")
+PART_LABELS = {"first": "First frame", "middle": "Middle frames", "last": "Last frame"}
+
+UNSEEN_COLOR = "0.8"  # tiles the query frame could not see
+LOGIT_CMAP = "RdBu_r"
+PROBABILITY_CMAP = "viridis"
+BAR_COLOR = "#9ecae1"
+LINE_COLOR = "#08519c"
+
+FULL_WIDTH_IN = 6.9  # two-column paper text width
+COLUMN_WIDTH_IN = 3.4
+
+STYLE = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "sinkscope",  # stable element ids: same data, same bytes
+    "pdf.fonttype": 42,  # TrueType, so PDF text stays selectable text as well
+    # Arial first and DejaVu Sans (shipped with matplotlib) as fallback, through the generic
+    # family so that a machine without Arial falls back silently instead of warning per glyph.
+    "font.family": "sans-serif",
+    "font.sans-serif": ["Arial", "DejaVu Sans"],
+    "font.size": 7,
+    "axes.titlesize": 7,
+    "axes.labelsize": 7,
+    "xtick.labelsize": 6,
+    "ytick.labelsize": 6,
+    "legend.fontsize": 6,
+    "figure.titlesize": 8,
+    "figure.labelsize": 7,
+    "axes.linewidth": 0.6,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "xtick.major.width": 0.6,
+    "ytick.major.width": 0.6,
+    "xtick.major.size": 2.5,
+    "ytick.major.size": 2.5,
+    "lines.linewidth": 1.0,
+    "lines.markersize": 2.5,
+    "legend.frameon": False,
+    "savefig.dpi": 300,
+}
+
+# Drop creation dates so that reruns write identical files.
+_SAVE_METADATA: dict[str, dict[str, None] | None] = {
+    "svg": {"Date": None},
+    "pdf": {"CreationDate": None},
+    "png": None,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# names, options, loading
+
+
+def head_label(layer: int, head: int) -> str:
+    """1-based head name used in every label: layer 0 head 0 -> 'L1H1'."""
+    return f"L{int(layer) + 1}H{int(head) + 1}"
+
+
+def timestep_label(timestep: float, pass_kind: str) -> str:
+    """Legend label of one step: 't=1000', 't=937.5', 't=833.33' or 'cache'."""
+    if str(pass_kind) == "cache":
+        return "cache"
+    return f"t={round(float(timestep), 2):g}"
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_options(measure: str, frame_axis: str, fmt: str | None = None) -> None:
+    _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
+    _check_choice("frame_axis", frame_axis, FRAME_AXES)
+    if fmt is not None:
+        _check_choice("fmt", fmt, FORMATS)
+
+
+def _layer(ds: xr.Dataset) -> int:
+    return int(ds["layer"].values)
+
+
+def _checkpoint(ds: xr.Dataset) -> str:
+    return str(ds["checkpoint"].values)
+
+
+def _prompt(ds: xr.Dataset) -> str:
+    return str(ds["prompt"].values)
+
+
+def _describe(ds: xr.Dataset) -> str:
+    return f"{_checkpoint(ds)}/{_prompt(ds)}/layer{_layer(ds)}"
+
+
+def load_frame_store(path: str | os.PathLike) -> xr.Dataset:
+    """Open one frame dataset fully into memory (kilobytes) and check it has what plots need."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"frame store not found: {path}")
+    ds = xr.open_zarr(path).load()
+    missing = [
+        name
+        for name in (*MEASURE_VARIABLES.values(), "checkpoint", "prompt", "layer", "timestep")
+        if name not in ds.variables
+    ]
+    if missing:
+        raise ValueError(f"frame store {path} lacks {missing}")
+    return ds
+
+
+def _by_layer(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
+    """Layers of one run, sorted; all datasets must share checkpoint and prompt."""
+    if not datasets:
+        raise ValueError("no frame datasets given")
+    runs = {(_checkpoint(ds), _prompt(ds)) for ds in datasets}
+    if len(runs) > 1:
+        raise ValueError(f"frame datasets of one run must share checkpoint and prompt, got {runs}")
+    layers: dict[int, xr.Dataset] = {}
+    for ds in datasets:
+        if _layer(ds) in layers:
+            raise ValueError(f"layer {_layer(ds)} given twice: {_describe(ds)}")
+        layers[_layer(ds)] = ds
+    return dict(sorted(layers.items()))
+
+
+def _select_step(ds: xr.Dataset, step: int) -> xr.Dataset:
+    steps = [int(s) for s in ds["step"].values]
+    if int(step) not in steps:
+        raise ValueError(f"step {step} not in {_describe(ds)}: its steps are {steps}")
+    return ds.sel(step=int(step))
+
+
+def step_title(ds: xr.Dataset, step: int) -> str:
+    """'t=1000' for a denoising step, 'cache pass' for the cache-update pass."""
+    one = _select_step(ds, step)
+    label = timestep_label(one["timestep"].values, _pass_kind(one))
+    return "cache pass" if label == "cache" else label
+
+
+def _pass_kind(one_step: xr.Dataset) -> str:
+    return str(one_step["pass_kind"].values) if "pass_kind" in one_step.variables else "denoise"
+
+
+def _check_head(ds: xr.Dataset, head: int) -> None:
+    heads = [int(h) for h in ds["head"].values]
+    if int(head) not in heads:
+        raise ValueError(
+            f"head {head} ({head_label(_layer(ds), head)}) out of range: {_describe(ds)} "
+            f"has heads {heads[0]}..{heads[-1]}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# the plotted numbers
+
+
+def _query_blocks(ds: xr.Dataset) -> np.ndarray:
+    """Block of every query frame: the `block` coordinate, else the `block_sizes` attribute."""
+    if "block" in ds.coords:
+        return np.asarray(ds["block"].values)
+    if "block_sizes" in ds.attrs:
+        return frames.block_of_frame(list(ds.attrs["block_sizes"]))
+    raise ValueError(f"{_describe(ds)} has neither a 'block' coordinate nor 'block_sizes'")
+
+
+def last_block_profile(ds: xr.Dataset, measure: str = "logits", step: int = 0) -> xr.DataArray:
+    """The measure seen by the last block's query frames, averaged over them: (head, key_frame).
+
+    NaN where no query frame of the last block could see that key frame.
+    """
+    _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
+    values = _select_step(ds, step)[MEASURE_VARIABLES[measure]]
+    blocks = _query_blocks(ds)
+    last_queries = np.flatnonzero(blocks == blocks.max())
+    profile = values.isel(query_frame=last_queries).mean("query_frame", skipna=True)
+    profile = profile.transpose("head", "key_frame")
+    profile.name = f"last_block_{MEASURE_VARIABLES[measure]}"
+    profile.attrs = {"long_name": PROFILE_LABELS[measure]}
+    return profile
+
+
+def profile_parts(profile: xr.DataArray) -> xr.DataArray:
+    """First, middle and last value of each head's profile: (head, part).
+
+    first / last: the first and the last visible key frame; middle: the mean of the visible key
+    frames strictly between them (NaN if there are none).
+    """
+    rows = profile.transpose("head", "key_frame").values
+    parts = np.full((rows.shape[0], len(PARTS)), np.nan)
+    for i, row in enumerate(rows):
+        visible = np.flatnonzero(np.isfinite(row))
+        if visible.size == 0:
+            continue
+        first, last = visible[0], visible[-1]
+        middle = row[first + 1 : last]
+        parts[i, 0] = row[first]
+        parts[i, 2] = row[last]
+        if np.isfinite(middle).any():
+            parts[i, 1] = np.nanmean(middle)
+    return xr.DataArray(
+        parts, dims=("head", "part"), coords={"head": profile["head"].values, "part": list(PARTS)}
+    )
+
+
+def sink_scores(profile: xr.DataArray) -> xr.DataArray:
+    """Sink score per head: first visible key frame minus the mean of the middle frames."""
+    parts = profile_parts(profile)
+    return parts.sel(part="first", drop=True) - parts.sel(part="middle", drop=True)
+
+
+def key_frame_positions(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
+    """Where each latent frame sits on the axis: its index, or its video-frame centre."""
+    _check_choice("frame_axis", frame_axis, FRAME_AXES)
+    if frame_axis == "video":
+        return frames.video_frame_centers(num_frames)
+    return np.arange(num_frames, dtype=np.float64)
+
+
+def frame_edges(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
+    """Cell edges of the latent frames on the axis (num_frames + 1 values).
+
+    On the video axis latent k spans its decoded video frames, so cells are 1 frame wide for
+    latent 0 and 4 frames wide after it.
+    """
+    _check_choice("frame_axis", frame_axis, FRAME_AXES)
+    if frame_axis == "video":
+        spans = [frames.video_frames_of_latent(k) for k in range(num_frames)]
+        return np.array([spans[0].start - 0.5] + [span.stop - 0.5 for span in spans])
+    return np.arange(num_frames + 1, dtype=np.float64) - 0.5
+
+
+def _frame_name(latent: int, frame_axis: str) -> str:
+    if frame_axis == "latent":
+        return f"frame {latent}"
+    span = frames.video_frames_of_latent(latent)
+    if len(span) == 1:
+        return f"frame {span.start}"
+    return f"frames {span.start}–{span.stop - 1}"
+
+
+def _format_value(value: float) -> str:
+    return "nan" if not np.isfinite(value) else f"{value:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# drawing helpers
+
+
+@contextmanager
+def _style() -> Iterator[None]:
+    with matplotlib.rc_context(STYLE):
+        yield
+
+
+def _styled(builder: Callable[..., Figure]) -> Callable[..., Figure]:
+    """Build a figure under STYLE: font sizes and families are fixed when artists are created."""
+
+    @wraps(builder)
+    def build(*args, **kwargs) -> Figure:
+        with _style():
+            return builder(*args, **kwargs)
+
+    return build
+
+
+def _panel_grid(fig: Figure, count: int, ncols: int, **subplot_kw) -> list[Axes]:
+    """`count` panels in rows of `ncols`; unused grid cells are removed, not left blank."""
+    ncols = max(1, min(ncols, count))
+    nrows = math.ceil(count / ncols)
+    grid = fig.subplots(nrows, ncols, squeeze=False, **subplot_kw).ravel()
+    for extra in grid[count:]:
+        extra.remove()
+    return list(grid[:count])
+
+
+def _frame_axis_format(ax: Axes, num_frames: int, frame_axis: str, which: str = "x") -> None:
+    edges = frame_edges(num_frames, frame_axis)
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    if which == "x":
+        ax.set_xlim(edges[0], edges[-1])
+
+
+def _series_colors(count: int) -> list:
+    """Qualitative colours while they last, then samples of a sequential map."""
+    if count <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(count)]
+    return [matplotlib.colormaps["viridis"](x) for x in np.linspace(0.0, 0.9, count)]
+
+
+def _color_scale(values: np.ndarray, measure: str) -> tuple[Colormap, Normalize, np.ndarray]:
+    """Colormap, norm and the values to draw for a map of `measure`; NaN (unseen) is grey.
+
+    Logits: diverging map with limits symmetric around 0. Probabilities: log scale; exact zeros are
+    lifted to the lower limit so that they are not mistaken for unseen tiles.
+    """
+    finite = values[np.isfinite(values)]
+    if measure == "logits":
+        limit = float(np.max(np.abs(finite))) if finite.size else 1.0
+        limit = limit if limit > 0 else 1.0
+        cmap = matplotlib.colormaps[LOGIT_CMAP].with_extremes(bad=UNSEEN_COLOR)
+        return cmap, Normalize(vmin=-limit, vmax=limit), values
+    positive = finite[finite > 0]
+    vmax = float(positive.max()) if positive.size else 1.0
+    vmin = max(float(positive.min()), vmax * 1e-4) if positive.size else vmax * 1e-4
+    cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    shown = np.where(np.isfinite(values), np.maximum(values, vmin), np.nan)
+    return cmap, LogNorm(vmin=vmin, vmax=vmax), shown
+
+
+def _colorbar(fig: Figure, mappable, axes, label: str) -> None:
+    colorbar = fig.colorbar(mappable, ax=axes, shrink=0.9, pad=0.02)
+    colorbar.set_label(label)
+    colorbar.outline.set_linewidth(0.5)
+    # matplotlib rasterizes long colorbars; keep the file fully vector.
+    colorbar.solids.set_rasterized(False)
+
+
+def _boxed(ax: Axes) -> None:
+    for spine in ax.spines.values():
+        spine.set_visible(True)
+
+
+def _draw_profile(
+    ax: Axes, values: np.ndarray, frame_axis: str, *, annotate_max: bool = False
+) -> None:
+    """Bars and line of one profile over key frames, optionally with its maximum annotated."""
+    num_frames = values.shape[0]
+    positions = key_frame_positions(num_frames, frame_axis)
+    widths = 0.8 * np.diff(frame_edges(num_frames, frame_axis))
+    ax.bar(positions, values, width=widths, color=BAR_COLOR, linewidth=0)
+    ax.plot(positions, values, color=LINE_COLOR, marker="o")
+    ax.axhline(0.0, color="0.5", linewidth=0.4)
+    _frame_axis_format(ax, num_frames, frame_axis)
+    ax.margins(y=0.08)
+    if annotate_max and np.isfinite(values).any():
+        peak = int(np.nanargmax(values))
+        # Headroom above the bars for the label; the label leans to the side with room.
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high + 0.18 * (high - low))
+        to_left = peak > num_frames / 2
+        ax.annotate(
+            f"max {_format_value(values[peak])}, {_frame_name(peak, frame_axis)}",
+            xy=(positions[peak], values[peak]),
+            xytext=(-6 if to_left else 6, 7),
+            textcoords="offset points",
+            ha="right" if to_left else "left",
+            va="bottom",
+            arrowprops={"arrowstyle": "-", "color": "0.3", "linewidth": 0.5, "shrinkA": 0},
+        )
+
+
+def _run_title(ds: xr.Dataset, step: int) -> str:
+    return f"{_checkpoint(ds)} · {_prompt(ds)} · {step_title(ds, step)}"
+
+
+# --------------------------------------------------------------------------------------------
+# per-run figures
+
+
+@_styled
+def plot_figure4(
+    datasets: Sequence[xr.Dataset],
+    heads: Sequence[tuple[int, int]],
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+) -> Figure:
+    """Deep Forcing Fig. 4: last-block profile of chosen (layer, head)s, maximum annotated."""
+    _check_options(measure, frame_axis)
+    layers = _by_layer(datasets)
+    if not heads:
+        raise ValueError("figure4 needs at least one (layer, head)")
+    for layer, head in heads:
+        if layer not in layers:
+            raise ValueError(
+                f"figure4 head {head_label(layer, head)} needs layer {layer}, but no frame store "
+                f"of this run holds it (layers: {list(layers)})"
+            )
+        _check_head(layers[layer], head)
+    profiles = {layer: last_block_profile(layers[layer], measure, step) for layer, _ in heads}
+
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3)), layout="constrained")
+    for ax, (layer, head) in zip(_panel_grid(fig, len(heads), 3), heads, strict=True):
+        _draw_profile(ax, profiles[layer].sel(head=head).values, frame_axis, annotate_max=True)
+        ax.set_title(head_label(layer, head))
+        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+        ax.set_ylabel(PROFILE_LABELS[measure])
+    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    return fig
+
+
+def _grid_columns(count: int) -> int:
+    return 4 if count > 3 else count
+
+
+@_styled
+def plot_heads_grid(
+    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+) -> Figure:
+    """Small multiples of every head's last-block profile, with its sink score in the title."""
+    _check_options(measure, frame_axis)
+    profile = last_block_profile(ds, measure, step)
+    scores = sink_scores(profile)
+    heads = [int(h) for h in profile["head"].values]
+    ncols = _grid_columns(len(heads))
+    nrows = math.ceil(len(heads) / ncols)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.3 * nrows + 0.6), layout="constrained")
+    axes = _panel_grid(fig, len(heads), ncols, sharex=True, sharey=True)
+    for ax, head in zip(axes, heads, strict=True):
+        _draw_profile(ax, profile.sel(head=head).values, frame_axis)
+        score = float(scores.sel(head=head))
+        ax.set_title(f"{head_label(_layer(ds), head)} sink {_format_value(score)}")
+    fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
+    fig.supylabel(PROFILE_LABELS[measure])
+    fig.suptitle(f"Layer {_layer(ds) + 1}, all heads · {_run_title(ds, step)}")
+    return fig
+
+
+@_styled
+def plot_heads_heatmap(
+    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+) -> Figure:
+    """Head x key frame image of the last-block profile."""
+    _check_options(measure, frame_axis)
+    profile = last_block_profile(ds, measure, step)
+    values = profile.values
+    num_heads, num_frames = values.shape
+    cmap, norm, shown = _color_scale(values, measure)
+    fig = Figure(figsize=(COLUMN_WIDTH_IN * 1.3, 0.18 * num_heads + 1.2), layout="constrained")
+    ax = fig.add_subplot()
+    mesh = ax.pcolormesh(
+        frame_edges(num_frames, frame_axis),
+        np.arange(num_heads + 1) - 0.5,
+        shown,
+        cmap=cmap,
+        norm=norm,
+        edgecolors="face",
+        linewidth=0,
+    )
+    _boxed(ax)
+    _frame_axis_format(ax, num_frames, frame_axis)
+    ax.set_yticks(range(num_heads))
+    ax.set_yticklabels([head_label(_layer(ds), h) for h in profile["head"].values])
+    ax.set_ylim(num_heads - 0.5, -0.5)  # first head on top
+    ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+    ax.set_ylabel("Head")
+    ax.set_title(f"Layer {_layer(ds) + 1}, last-block profile · {_run_title(ds, step)}")
+    _colorbar(fig, mesh, ax, PROFILE_LABELS[measure])
+    return fig
+
+
+@_styled
+def plot_frame_maps(
+    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+) -> Figure:
+    """Query frame x key frame map per head on one shared colour scale; unseen tiles grey."""
+    _check_options(measure, frame_axis)
+    maps = _select_step(ds, step)[MEASURE_VARIABLES[measure]].transpose(
+        "head", "query_frame", "key_frame"
+    )
+    values = maps.values
+    num_heads, num_queries, num_keys = values.shape
+    cmap, norm, shown = _color_scale(values, measure)
+    key_edges = frame_edges(num_keys, frame_axis)
+    query_edges = frame_edges(num_queries, frame_axis)
+    blocks = _query_blocks(ds)
+    block_starts = np.flatnonzero(np.diff(blocks)) + 1  # first query frame of every later block
+
+    ncols = _grid_columns(num_heads)
+    nrows = math.ceil(num_heads / ncols)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.6 * nrows + 0.7), layout="constrained")
+    axes = _panel_grid(fig, num_heads, ncols, sharex=True, sharey=True)
+    mesh = None
+    for ax, head, head_map in zip(axes, maps["head"].values, shown, strict=True):
+        mesh = ax.pcolormesh(
+            key_edges, query_edges, head_map, cmap=cmap, norm=norm, edgecolors="face", linewidth=0
+        )
+        for start in block_starts:
+            ax.axhline(query_edges[start], color="0.4", linewidth=0.3, alpha=0.5)
+            if start < num_keys:
+                ax.axvline(key_edges[start], color="0.4", linewidth=0.3, alpha=0.5)
+        _boxed(ax)
+        _frame_axis_format(ax, num_keys, frame_axis)
+        _frame_axis_format(ax, num_queries, frame_axis, which="y")
+        ax.set_ylim(query_edges[-1], query_edges[0])  # query frame 0 on top, like a matrix
+        ax.set_aspect("equal")
+        ax.set_title(head_label(_layer(ds), head))
+    fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
+    fig.supylabel(QUERY_AXIS_LABELS[frame_axis])
+    fig.suptitle(f"Layer {_layer(ds) + 1}, query x key frames · {_run_title(ds, step)}")
+    _colorbar(fig, mesh, axes, MAP_LABELS[measure])
+    return fig
+
+
+@_styled
+def plot_layer_comparison(
+    datasets: Sequence[xr.Dataset],
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+) -> Figure:
+    """Per layer: mean over heads of the last-block profile with a ±1 std band across heads."""
+    _check_options(measure, frame_axis)
+    layers = _by_layer(datasets)
+    fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.4), layout="constrained")
+    ax = fig.add_subplot()
+    num_frames = 1
+    for color, (layer, ds) in zip(_series_colors(len(layers)), layers.items(), strict=True):
+        profile = last_block_profile(ds, measure, step)
+        mean = profile.mean("head", skipna=True).values
+        spread = profile.std("head", skipna=True).values
+        positions = key_frame_positions(mean.shape[0], frame_axis)
+        num_frames = max(num_frames, mean.shape[0])
+        ax.fill_between(positions, mean - spread, mean + spread, color=color, alpha=0.2, lw=0)
+        ax.plot(positions, mean, color=color, marker="o", label=f"Layer {layer + 1}")
+    _frame_axis_format(ax, num_frames, frame_axis)
+    ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+    ax.set_ylabel(PROFILE_LABELS[measure])
+    ax.set_title("Last-block profile per layer, mean ± 1 std over heads")
+    ax.legend(loc="best")
+    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    return fig
+
+
+@_styled
+def plot_statistics(
+    datasets: Sequence[xr.Dataset], *, measure: str = "logits", step: int = 0
+) -> Figure:
+    """First / middle / last key frames per layer: mean over heads, std over heads as error bar."""
+    _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
+    layers = _by_layer(datasets)
+    parts = {
+        layer: profile_parts(last_block_profile(ds, measure, step)) for layer, ds in layers.items()
+    }
+    fig = Figure(
+        figsize=(max(COLUMN_WIDTH_IN, 0.45 * len(layers) + 1.5), 2.4), layout="constrained"
+    )
+    ax = fig.add_subplot()
+    x = np.arange(len(layers))
+    width = 0.8 / len(PARTS)
+    for i, (part, color) in enumerate(zip(PARTS, _series_colors(len(PARTS)), strict=True)):
+        means = [float(p.sel(part=part).mean(skipna=True)) for p in parts.values()]
+        stds = [float(p.sel(part=part).std(skipna=True)) for p in parts.values()]
+        ax.bar(
+            x + (i - (len(PARTS) - 1) / 2) * width,
+            means,
+            width=width,
+            yerr=stds,
+            color=color,
+            label=PART_LABELS[part],
+            error_kw={"elinewidth": 0.6, "capsize": 1.5, "capthick": 0.6},
+        )
+    ax.axhline(0.0, color="0.5", linewidth=0.4)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"L{layer + 1}" for layer in layers])
+    ax.set_xlabel("Layer")
+    ax.set_ylabel(PROFILE_LABELS[measure])
+    ax.set_title("Last-block key frames, mean ± std over heads")
+    ax.legend(loc="best")
+    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# across runs
+
+
+def _runs_with_head(
+    datasets: Sequence[xr.Dataset], layer: int, head: int
+) -> dict[str, list[xr.Dataset]]:
+    """The datasets holding `layer`, grouped by checkpoint in order of appearance."""
+    holding = [ds for ds in datasets if _layer(ds) == layer]
+    if not holding:
+        raise ValueError(
+            f"head {head_label(layer, head)} needs layer {layer}, but no frame store holds it "
+            f"(layers: {sorted({_layer(ds) for ds in datasets})})"
+        )
+    by_checkpoint: dict[str, list[xr.Dataset]] = {}
+    for ds in holding:
+        _check_head(ds, head)
+        by_checkpoint.setdefault(_checkpoint(ds), []).append(ds)
+    return by_checkpoint
+
+
+def _check_compare_inputs(datasets: Sequence[xr.Dataset], heads: Sequence[tuple[int, int]]) -> None:
+    if not datasets:
+        raise ValueError("no frame datasets given")
+    if not heads:
+        raise ValueError("need at least one (layer, head)")
+    seen: set[tuple[str, str, int]] = set()
+    for ds in datasets:
+        key = (_checkpoint(ds), _prompt(ds), _layer(ds))
+        if key in seen:
+            raise ValueError(f"frame dataset {_describe(ds)} given twice")
+        seen.add(key)
+    for layer, head in heads:
+        _runs_with_head(datasets, layer, head)
+
+
+def _prompt_profiles(
+    datasets: Sequence[xr.Dataset], head: int, measure: str, step: int
+) -> xr.DataArray:
+    """One head's last-block profile for each dataset (one per prompt): (prompt, key_frame)."""
+    profiles = [
+        last_block_profile(ds, measure, step)
+        .sel(head=head, drop=True)
+        .expand_dims(prompt=[_prompt(ds)])
+        for ds in datasets
+    ]
+    return xr.concat(profiles, dim="prompt", join="outer")
+
+
+def _compare_title(datasets: Sequence[xr.Dataset], step: int) -> str:
+    labels = list(dict.fromkeys(step_title(ds, step) for ds in datasets))
+    return " / ".join(labels)
+
+
+def _head_panels(fig: Figure, heads: Sequence[tuple[int, int]]) -> list[Axes]:
+    return _panel_grid(fig, len(heads), 3)
+
+
+@_styled
+def plot_checkpoints(
+    datasets: Sequence[xr.Dataset],
+    heads: Sequence[tuple[int, int]],
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+) -> Figure:
+    """For each head, one line per checkpoint: the last-block profile averaged over prompts."""
+    _check_options(measure, frame_axis)
+    _check_compare_inputs(datasets, heads)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
+    for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
+        runs = _runs_with_head(datasets, layer, head)
+        num_frames = 1
+        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
+            mean = _prompt_profiles(group, head, measure, step).mean("prompt", skipna=True).values
+            num_frames = max(num_frames, mean.shape[0])
+            positions = key_frame_positions(mean.shape[0], frame_axis)
+            ax.plot(
+                positions, mean, color=color, marker="o", label=f"{checkpoint} (n={len(group)})"
+            )
+        _frame_axis_format(ax, num_frames, frame_axis)
+        ax.set_title(head_label(layer, head))
+        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+        ax.set_ylabel(PROFILE_LABELS[measure])
+        ax.legend(loc="best")
+    fig.suptitle(f"Checkpoints, mean over prompts · {_compare_title(datasets, step)}")
+    return fig
+
+
+@_styled
+def plot_prompts(
+    datasets: Sequence[xr.Dataset],
+    heads: Sequence[tuple[int, int]],
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+) -> Figure:
+    """For each head and checkpoint: thin line per prompt, mean over prompts, min-max band."""
+    _check_options(measure, frame_axis)
+    _check_compare_inputs(datasets, heads)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
+    for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
+        runs = _runs_with_head(datasets, layer, head)
+        num_frames = 1
+        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
+            per_prompt = _prompt_profiles(group, head, measure, step)
+            positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
+            num_frames = max(num_frames, positions.shape[0])
+            for row in per_prompt.values:
+                ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6)
+            ax.fill_between(
+                positions,
+                per_prompt.min("prompt", skipna=True).values,
+                per_prompt.max("prompt", skipna=True).values,
+                color=color,
+                alpha=0.15,
+                linewidth=0,
+            )
+            ax.plot(
+                positions,
+                per_prompt.mean("prompt", skipna=True).values,
+                color=color,
+                linewidth=1.4,
+                label=f"{checkpoint}: mean, min–max of {len(group)} prompts",
+            )
+        _frame_axis_format(ax, num_frames, frame_axis)
+        ax.set_title(head_label(layer, head))
+        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+        ax.set_ylabel(PROFILE_LABELS[measure])
+        ax.legend(loc="best")
+    fig.suptitle(f"Prompts: thin lines single prompts · {_compare_title(datasets, step)}")
+    return fig
+
+
+def _common_steps(group: Sequence[xr.Dataset]) -> list[tuple[int, str]]:
+    """(step, label) present in every dataset of the group, in step order."""
+    shared = set.intersection(*({int(s) for s in ds["step"].values} for ds in group))
+    first = group[0]
+    return [
+        (
+            step,
+            timestep_label(
+                first["timestep"].sel(step=step).values, _pass_kind(first.sel(step=step))
+            ),
+        )
+        for step in sorted(shared)
+    ]
+
+
+def _step_colors(labels: Sequence[str]) -> dict[str, object]:
+    """Denoising steps from dark (t=1000) to light; the cache pass in black."""
+    denoise = [label for label in labels if label != "cache"]
+    shades = np.linspace(0.0, 0.85, max(len(denoise), 1))
+    colors: dict[str, object] = {
+        label: matplotlib.colormaps["viridis"](shade)
+        for label, shade in zip(denoise, shades, strict=False)
+    }
+    colors["cache"] = "black"
+    return colors
+
+
+@_styled
+def plot_passes(
+    datasets: Sequence[xr.Dataset],
+    heads: Sequence[tuple[int, int]],
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+) -> Figure:
+    """For each head and checkpoint, one line per step (prompt mean), labelled by timestep."""
+    _check_options(measure, frame_axis)
+    _check_compare_inputs(datasets, heads)
+    checkpoints = list(dict.fromkeys(_checkpoint(ds) for ds in datasets))
+    labels = list(
+        dict.fromkeys(
+            label
+            for checkpoint in checkpoints
+            for _, label in _common_steps([ds for ds in datasets if _checkpoint(ds) == checkpoint])
+        )
+    )
+    colors = _step_colors(labels)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.8 * len(heads) + 0.5), layout="constrained")
+    grid = fig.subplots(len(heads), len(checkpoints), squeeze=False)
+    for row, (layer, head) in zip(grid, heads, strict=True):
+        runs = _runs_with_head(datasets, layer, head)
+        for ax, checkpoint in zip(row, checkpoints, strict=True):
+            ax.set_title(f"{head_label(layer, head)} · {checkpoint}")
+            ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+            ax.set_ylabel(PROFILE_LABELS[measure])
+            group = runs.get(checkpoint, [])
+            if not group:
+                ax.text(0.5, 0.5, "layer not captured", transform=ax.transAxes, ha="center")
+                continue
+            num_frames = 1
+            for step, label in _common_steps(group):
+                mean = _prompt_profiles(group, head, measure, step).mean("prompt", skipna=True)
+                positions = key_frame_positions(mean.sizes["key_frame"], frame_axis)
+                num_frames = max(num_frames, positions.shape[0])
+                ax.plot(
+                    positions,
+                    mean.values,
+                    color=colors[label],
+                    linestyle="--" if label == "cache" else "-",
+                    marker="o",
+                    label=label,
+                )
+            _frame_axis_format(ax, num_frames, frame_axis)
+    # One legend for all panels: a step keeps its colour in every panel.
+    handles = {}
+    for ax in fig.axes:
+        for line in ax.lines:
+            handles.setdefault(line.get_label(), line)
+    fig.legend(handles.values(), handles.keys(), loc="outside right upper", title="Step")
+    fig.suptitle("Denoising steps and cache pass, mean over prompts")
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# writing files
+
+
+def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
+    """Write atomically (temporary file, then rename): a failed run leaves no partial figure."""
+    _check_choice("fmt", fmt, FORMATS)
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        with _style():
+            fig.savefig(temporary, format=fmt, metadata=_SAVE_METADATA[fmt])
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+        fig.clear()  # release the artists now; callers do not reuse a saved figure
+    return path
+
+
+def render_run_figures(
+    frame_stores: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    figure4_heads: Sequence[tuple[int, int]],
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    fmt: str = "svg",
+) -> list[Path]:
+    """All figures of one (checkpoint, prompt) from its layers' frame stores; returns the paths.
+
+    Writes figure4, per layer L layer{L}_heads_grid / _heads_heatmap / _frame_maps, then
+    layer_comparison and statistics, each as `.{fmt}`.
+    """
+    _check_options(measure, frame_axis, fmt)
+    layers = _by_layer([load_frame_store(path) for path in frame_stores])
+    datasets = list(layers.values())
+    options = {"measure": measure, "frame_axis": frame_axis, "step": step}
+    # Validate the requested heads and step before anything is written.
+    for ds in datasets:
+        _select_step(ds, step)
+    builders: list[tuple[str, Callable[[], Figure]]] = [
+        ("figure4", lambda: plot_figure4(datasets, figure4_heads, **options))
+    ]
+    for layer, ds in layers.items():
+        builders += [
+            (f"layer{layer}_heads_grid", lambda ds=ds: plot_heads_grid(ds, **options)),
+            (f"layer{layer}_heads_heatmap", lambda ds=ds: plot_heads_heatmap(ds, **options)),
+            (f"layer{layer}_frame_maps", lambda ds=ds: plot_frame_maps(ds, **options)),
+        ]
+    builders += [
+        ("layer_comparison", lambda: plot_layer_comparison(datasets, **options)),
+        ("statistics", lambda: plot_statistics(datasets, measure=measure, step=step)),
+    ]
+    first = builders[0][1]()  # figure4 raises for bad heads before the directory is touched
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [save_figure(first, out_dir / f"figure4.{fmt}", fmt)]
+    for name, build in builders[1:]:
+        written.append(save_figure(build(), out_dir / f"{name}.{fmt}", fmt))
+    return written
+
+
+def render_compare_figures(
+    frame_stores: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    heads: Sequence[tuple[int, int]],
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    fmt: str = "svg",
+) -> list[Path]:
+    """Figures across checkpoints, prompts and steps: checkpoints, prompts and passes `.{fmt}`.
+
+    Stores of layers not among `heads` are skipped; a head whose layer no store holds raises.
+    """
+    _check_options(measure, frame_axis, fmt)
+    wanted_layers = {layer for layer, _ in heads}
+    datasets = [load_frame_store(path) for path in frame_stores]
+    # Keep all stores when none holds a wanted layer, so that the check below names the layer.
+    datasets = [ds for ds in datasets if _layer(ds) in wanted_layers] or datasets
+    _check_compare_inputs(datasets, heads)
+    for ds in datasets:
+        _select_step(ds, step)
+    options = {"measure": measure, "frame_axis": frame_axis}
+    figures = [
+        ("checkpoints", plot_checkpoints(datasets, heads, step=step, **options)),
+        ("prompts", plot_prompts(datasets, heads, step=step, **options)),
+        ("passes", plot_passes(datasets, heads, **options)),
+    ]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [save_figure(fig, out_dir / f"{name}.{fmt}", fmt) for name, fig in figures]

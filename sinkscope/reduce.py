@@ -1,0 +1,206 @@
+"""Token store (Contract 1) -> frame dataset (Contract 2), with bounded memory.
+
+The logits are read one query frame's rows of one head and one pass at a time, a (T, N) block that
+matches the store's shards, and each block is reduced to per-(query frame, key frame) values inside
+a single dask graph; only the small frame x frame results are ever held whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import xarray as xr
+
+from sinkscope.frames import block_of_frame, token_frames
+from sinkscope.store import tune_zarr
+
+LOGIT_DIMS = ("step", "head", "query_token", "key_token")
+FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
+
+
+def reduce_rows(rows: np.ndarray, num_frames: int) -> np.ndarray:
+    """Reduce the logits of one query frame's rows, [T, N] with NaN = invisible.
+
+    Returns float32 [2 * F + 1]: logit_mean over the F key frames, prob_mass over the F key frames,
+    then the mean row entropy. Rows with no visible key are left out of the means over rows, so a
+    query frame whose rows are all invisible gets NaN everywhere.
+    """
+    num_rows, num_keys = rows.shape
+    tokens_per_frame = num_keys // num_frames
+    x = rows.astype(np.float32)  # a fresh copy, modified in place below
+    invisible = np.isnan(x)
+    x[invisible] = 0.0
+    tiles = (num_rows, num_frames, tokens_per_frame)
+
+    pair_count = (~invisible).reshape(tiles).sum(axis=(0, 2))
+    logit_sum = x.reshape(tiles).sum(axis=(0, 2), dtype=np.float64)
+
+    # Row-wise softmax over visible keys, shifted by the row max; invisible keys (-inf) exp to 0.
+    x[invisible] = -np.inf
+    row_max = x.max(axis=1)
+    row_max[np.isneginf(row_max)] = 0.0  # rows with nothing visible
+    x -= row_max[:, None]
+    weights = np.exp(x)
+    x[invisible] = 0.0  # shifted logits, 0 where the weight is 0, so weight * x stays finite
+    row_norm = weights.sum(axis=1, dtype=np.float64)
+    frame_weight = weights.reshape(tiles).sum(axis=2, dtype=np.float64)
+    weights *= x
+    weighted_logit = weights.sum(axis=1, dtype=np.float64)
+
+    live = row_norm > 0
+    out = np.full(2 * num_frames + 1, np.nan, dtype=np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out[:num_frames] = logit_sum / pair_count
+    if live.any():
+        norm = row_norm[live]
+        mass = (frame_weight[live] / norm[:, None]).mean(axis=0)
+        mass[pair_count == 0] = np.nan  # key frames this query frame cannot see
+        out[num_frames : 2 * num_frames] = mass
+        # H = -sum p log p with log p = x - log Z, i.e. H = log Z - sum(w x) / Z.
+        out[2 * num_frames] = np.mean(np.log(norm) - weighted_logit[live] / norm)
+    return out
+
+
+def _reduce_block(block: np.ndarray, num_frames: int) -> np.ndarray:
+    """dask block (1, 1, T, N) -> (1, 1, 1, 2F + 1)."""
+    return reduce_rows(block[0, 0], num_frames)[None, None, None, :]
+
+
+def _store_error(path: Path, message: str) -> ValueError:
+    return ValueError(f"token store {path}: {message}")
+
+
+def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
+    """Validate the layout against the attributes; returns (T, F, block sizes)."""
+    for key in ("frame_seq_length", "num_frames", "block_sizes"):
+        if key not in ds.attrs:
+            raise _store_error(path, f"missing group attribute {key!r}")
+    for name in ("logits", "timestep", "pass_kind"):
+        if name not in ds.variables:
+            raise _store_error(path, f"missing array {name!r}")
+    tokens_per_frame = int(ds.attrs["frame_seq_length"])
+    num_frames = int(ds.attrs["num_frames"])
+    sizes = [int(size) for size in ds.attrs["block_sizes"]]
+    if sum(sizes) != num_frames:
+        raise _store_error(path, f"block_sizes {sizes} do not add up to num_frames={num_frames}")
+    logits = ds["logits"]
+    if set(logits.dims) != set(LOGIT_DIMS):
+        raise _store_error(path, f"logits has dims {logits.dims}, expected {LOGIT_DIMS}")
+    num_tokens = num_frames * tokens_per_frame
+    for dim in ("query_token", "key_token"):
+        if ds.sizes[dim] != num_tokens:
+            raise _store_error(
+                path,
+                f"{dim} has {ds.sizes[dim]} tokens, expected num_frames * frame_seq_length = "
+                f"{num_frames} * {tokens_per_frame} = {num_tokens}",
+            )
+    expected_frames = token_frames(num_frames, tokens_per_frame)
+    for name in ("query_frame", "key_frame"):
+        if name in ds.variables and not np.array_equal(ds[name].values, expected_frames):
+            raise _store_error(
+                path, f"{name} does not map token t to frame t // {tokens_per_frame}"
+            )
+    return tokens_per_frame, num_frames, sizes
+
+
+def _strings(values) -> np.ndarray:
+    """Object-dtype strings: xarray stores them as zarr v3 variable-length `string`, which is
+    stable, where numpy's fixed-width unicode would become an unspecified zarr dtype."""
+    return np.vectorize(str, otypes=[object])(np.asarray(values, dtype=object))
+
+
+def reduce_token_store(
+    token_store: str | os.PathLike, out: str | os.PathLike, *, threads: int | None = None
+) -> None:
+    """Reduce a token store to a frame dataset written atomically at `out` (zarr v3).
+
+    The result is written to a sibling `<out>.tmp` directory and renamed to `out` only when
+    complete, so a failure never leaves something at `out` that looks finished.
+    """
+    tune_zarr()
+    token_store = Path(token_store)
+    out = Path(out)
+    if not (token_store / "zarr.json").is_file():
+        raise FileNotFoundError(f"token store {token_store} is not a zarr v3 group")
+    with xr.open_zarr(token_store, chunks=None) as ds:  # lazy: nothing read yet
+        result = _reduce_dataset(token_store, ds, threads)
+    _write_atomically(result, out)
+
+
+def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
+    """The frame dataset of an opened token store, computed in one threaded dask pass."""
+    tokens_per_frame, num_frames, sizes = _check_token_store(token_store, ds)
+    # One dask chunk = one query frame's rows of one head and pass, i.e. one shard of the store.
+    # Only the logits are chunked: chunking the 1-D coordinates per step would split their storage.
+    row_chunks = {"step": 1, "head": 1, "query_token": tokens_per_frame, "key_token": -1}
+    logits = ds["logits"].transpose(*LOGIT_DIMS).chunk(row_chunks).data
+    num_steps, num_heads = logits.shape[:2]
+    reduced = da.map_blocks(
+        _reduce_block,
+        logits,
+        num_frames,
+        chunks=(
+            (1,) * num_steps,
+            (1,) * num_heads,
+            (1,) * num_frames,
+            (2 * num_frames + 1,),
+        ),
+        dtype=np.float32,
+        meta=np.empty((0, 0, 0, 0), dtype=np.float32),
+    )
+    logit_mean, prob_mass, entropy = dask.compute(
+        reduced[..., :num_frames],
+        reduced[..., num_frames : 2 * num_frames],
+        reduced[..., 2 * num_frames],
+        scheduler="threads",
+        num_workers=threads or os.cpu_count(),
+    )
+
+    frames = np.arange(num_frames)
+    attrs = dict(ds.attrs)
+    return xr.Dataset(
+        {
+            "logit_mean": (FRAME_DIMS, logit_mean),
+            "prob_mass": (FRAME_DIMS, prob_mass),
+            "entropy": (FRAME_DIMS[:3], entropy),
+        },
+        coords={
+            "step": np.arange(num_steps),
+            "head": np.arange(num_heads),
+            "query_frame": frames,
+            "key_frame": frames,
+            "timestep": ("step", np.asarray(ds["timestep"].values, dtype=np.float32)),
+            "pass_kind": ("step", _strings(ds["pass_kind"].values)),
+            "block": ("query_frame", block_of_frame(sizes)),
+            "checkpoint": _strings(attrs.get("checkpoint", "")),
+            "prompt": _strings(attrs.get("prompt", "")),
+            "layer": int(attrs.get("layer", -1)),
+        },
+        attrs=attrs,
+    )
+
+
+def _write_atomically(result: xr.Dataset, out: Path) -> None:
+    tmp = out.parent / (out.name + ".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        result.to_zarr(tmp, mode="w", zarr_format=3, consolidated=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
+    """Open a frame dataset (Contract 2) and load it: it is small."""
+    with xr.open_zarr(path) as ds:
+        return ds.load()

@@ -1,0 +1,206 @@
+"""Frame dataset (Contract 2) -> tidy attention-sink statistics (Contract 3)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from sinkscope.reduce import open_frame_dataset
+
+MEASURES = ("logit_mean", "prob_mass")
+QUERY_MODES = ("last_block", "each_block", "each_frame")
+STAT_COLUMNS = [
+    "first",
+    "middle",
+    "last",
+    "sink_score",
+    "first_middle_ratio",
+    "spread_pct",
+    "argmax_frame",
+    "uniform_multiple",
+    "recent_mass",
+    "entropy",
+]
+COLUMNS = [
+    "checkpoint",
+    "prompt",
+    "layer",
+    "head",
+    "step",
+    "timestep",
+    "pass_kind",
+    "measure",
+    "query",
+    *STAT_COLUMNS,
+]
+GROUP_COLUMNS = ["checkpoint", "layer", "head", "step", "timestep", "pass_kind", "measure", "query"]
+
+
+def query_sets(blocks: np.ndarray, query: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(label, query frames, key frames of their own blocks) for each query set.
+
+    `blocks` is the block index of every frame, in frame order.
+    """
+    blocks = np.asarray(blocks)
+    frames = np.arange(len(blocks))
+    if query == "last_block":
+        last = blocks.max()
+        own = frames[blocks == last]
+        return [("last_block", own, own)]
+    if query == "each_block":
+        return [(f"block{b}", frames[blocks == b], frames[blocks == b]) for b in np.unique(blocks)]
+    if query == "each_frame":
+        return [(f"frame{f}", np.array([f]), frames[blocks == blocks[f]]) for f in frames]
+    raise ValueError(f"query must be one of {QUERY_MODES}, got {query!r}")
+
+
+def profile_statistics(
+    profile: np.ndarray, key_frames: np.ndarray, own_frames: np.ndarray, measure: str
+) -> dict[str, float]:
+    """Statistics of one profile (one value per key frame, NaN = not visible)."""
+    visible = ~np.isnan(profile)
+    values = profile[visible]
+    frames = key_frames[visible]
+    stats = dict.fromkeys(STAT_COLUMNS, np.nan)
+    stats["argmax_frame"] = pd.NA
+    if values.size == 0:
+        return stats
+    first, last = values[0], values[-1]
+    middle = values[1:-1].mean() if values.size > 2 else np.nan
+    mean = values.mean()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stats.update(
+            first=first,
+            middle=middle,
+            last=last,
+            sink_score=first - middle,
+            first_middle_ratio=first / middle,
+            spread_pct=(values.max() - values.min()) / abs(mean) * 100.0,
+            argmax_frame=int(frames[np.argmax(values)]),
+        )
+    if measure == "prob_mass":
+        # Every frame has the same number of tokens, so a frame's uniform share is 1 / frames.
+        stats["uniform_multiple"] = first * values.size
+        own = np.isin(frames, own_frames)
+        stats["recent_mass"] = values[own].sum() if own.any() else np.nan
+    return stats
+
+
+def _scalar(ds: xr.Dataset, name: str):
+    """A scalar coordinate, or the attribute of the same name."""
+    value = ds[name].values.item() if name in ds.coords else ds.attrs.get(name)
+    return str(value) if isinstance(value, str) else value
+
+
+def frame_statistics(ds: xr.Dataset, query: str = "last_block") -> pd.DataFrame:
+    """One row per (head, step, measure, query set) with the Contract 3 columns."""
+    sets = query_sets(ds["block"].values, query)
+    key_frames = ds["key_frame"].values
+    measures = {
+        name: ds[name].transpose("step", "head", "query_frame", "key_frame").values.astype(float)
+        for name in MEASURES
+    }
+    entropy = ds["entropy"].transpose("step", "head", "query_frame").values.astype(float)
+    query_index = {int(f): i for i, f in enumerate(ds["query_frame"].values)}
+    timesteps = ds["timestep"].values
+    pass_kinds = [str(kind) for kind in ds["pass_kind"].values]
+    provenance = {name: _scalar(ds, name) for name in ("checkpoint", "prompt", "layer")}
+
+    rows = []
+    for h, head in enumerate(ds["head"].values):
+        for s, step in enumerate(ds["step"].values):
+            for measure in MEASURES:
+                for label, set_frames, own_frames in sets:
+                    rows_of_set = [query_index[int(f)] for f in set_frames]
+                    # A key frame counts only if every query frame of the set sees it.
+                    profile = measures[measure][s, h, rows_of_set].mean(axis=0)
+                    stats = profile_statistics(profile, key_frames, own_frames, measure)
+                    stats["entropy"] = entropy[s, h, rows_of_set].mean()
+                    rows.append(
+                        {
+                            **provenance,
+                            "head": int(head),
+                            "step": int(step),
+                            "timestep": float(timesteps[s]),
+                            "pass_kind": pass_kinds[s],
+                            "measure": measure,
+                            "query": label,
+                            **stats,
+                        }
+                    )
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table["argmax_frame"] = table["argmax_frame"].astype("Int64")
+    return table
+
+
+def _write_csv_atomically(table: pd.DataFrame, csv_path: str | os.PathLike) -> None:
+    csv_path = Path(csv_path)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = csv_path.with_name(csv_path.name + ".tmp")
+    try:
+        table.to_csv(tmp, index=False)
+        os.replace(tmp, csv_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_stats(
+    frame_store: str | os.PathLike, csv_path: str | os.PathLike, query: str = "last_block"
+) -> None:
+    """Statistics of one frame dataset, written atomically as CSV."""
+    table = frame_statistics(open_frame_dataset(frame_store), query=query)
+    _write_csv_atomically(table, csv_path)
+
+
+def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
+    """Stack per-run statistics (aggregate='run') and add across-prompt mean, std and count."""
+    runs = pd.concat(list(tables), ignore_index=True)
+    runs["aggregate"] = "run"
+    numeric = runs[STAT_COLUMNS].astype("float64")
+    grouped = numeric.groupby([runs[c] for c in GROUP_COLUMNS], dropna=False, sort=True)
+    parts = [runs]
+    for aggregate, frame in (
+        ("mean", grouped.mean()),
+        ("std", grouped.std(ddof=1)),
+        ("count", grouped.count()),
+    ):
+        frame = frame.reset_index()
+        frame["prompt"] = "*"
+        frame["aggregate"] = aggregate
+        parts.append(frame)
+    return pd.concat(parts, ignore_index=True)[[*COLUMNS, "aggregate"]]
+
+
+def write_summary(csv_paths: Iterable[str | os.PathLike], out_csv: str | os.PathLike) -> None:
+    """Stack per-run statistics CSVs, add across-prompt aggregates, write atomically."""
+    paths = list(csv_paths)
+    if not paths:
+        raise ValueError("write_summary needs at least one statistics CSV")
+    _write_csv_atomically(summarize(pd.read_csv(path) for path in paths), out_csv)
+
+
+def sink_rate(ds: xr.Dataset, measure: str = "prob_mass", threshold: float = 0.3) -> pd.DataFrame:
+    """Share of heads per step whose key frame 0 is a sink (Gu et al., ICLR 2025).
+
+    A head's importance of frame 0 is the mean of `measure` on key frame 0 over the query frames
+    that see it; the head counts as a sink head when that exceeds `threshold`.
+    """
+    first = ds[measure].isel(key_frame=0).transpose("step", "head", "query_frame")
+    importance = first.mean("query_frame", skipna=True)
+    sink_heads = (importance > threshold).sum("head")
+    return pd.DataFrame(
+        {
+            "timestep": ds["timestep"].values,
+            "pass_kind": [str(kind) for kind in ds["pass_kind"].values],
+            "sink_heads": sink_heads.values.astype(int),
+            "num_heads": ds.sizes["head"],
+            "sink_rate": sink_heads.values / ds.sizes["head"],
+        },
+        index=pd.Index(ds["step"].values, name="step"),
+    )

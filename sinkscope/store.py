@@ -1,0 +1,191 @@
+"""The token store (DESIGN.md, Contract 1): pre-softmax logits as a token-chunked zarr v3 group.
+
+One background thread writes each store, so the model computes the next tile while the last one is
+compressed and written. The store is built under `<name>.partial` and renamed when complete: a
+killed job never leaves a directory that looks whole.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec
+
+LOGITS_DIMS = ("step", "head", "query_token", "key_token")
+PARTIAL_SUFFIX = ".partial"
+# zarr's default pipeline runs every inner chunk of a shard through the codecs on its own; batching
+# them halves write and read time when tiles are small (measured on the demo's 24 x 24 tiles).
+ZARR_TUNING = {"codec_pipeline.batch_size": 32}
+
+
+def tune_zarr() -> None:
+    """Apply ZARR_TUNING to this process (extraction and reduction jobs call it)."""
+    zarr.config.set(ZARR_TUNING)
+
+
+def logits_codec() -> BloscCodec:
+    # Byte shuffle with typesize 2 groups the float16 exponent bytes, which is what compresses.
+    return BloscCodec(cname="zstd", clevel=3, shuffle="shuffle", typesize=2)
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def key_frame_runs(key_frames: np.ndarray) -> list[tuple[int, int, int]]:
+    """Contiguous runs of visible key frames as (first frame, stop frame, offset in the tile)."""
+    runs = []
+    offset = 0
+    start = prev = int(key_frames[0])
+    for frame in key_frames[1:]:
+        frame = int(frame)
+        if frame != prev + 1:
+            runs.append((start, prev + 1, offset))
+            offset += prev + 1 - start
+            start = frame
+        prev = frame
+    runs.append((start, prev + 1, offset))
+    return runs
+
+
+class TokenStoreWriter:
+    """Writes one layer's logits rows (one query frame x all key tokens) from a background thread.
+
+    Each row is one zarr shard (1, 1, T, N) written whole by this one writer; inner (T, T) chunks
+    that stay NaN (keys the query frame cannot see) are not stored.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        num_heads: int,
+        num_frames: int,
+        frame_seq_length: int,
+        timesteps: Sequence[float],
+        pass_kinds: Sequence[str],
+        attrs: dict,
+        max_pending_rows: int = 4,
+    ):
+        tune_zarr()
+        self.path = Path(path)
+        self.tmp = partial_path(self.path)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.parent.mkdir(parents=True, exist_ok=True)
+        self.frame_seq_length = frame_seq_length
+        self.num_tokens = num_frames * frame_seq_length
+        group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
+        group.attrs.update(attrs)
+        steps = len(timesteps)
+        t = frame_seq_length
+        self.logits = group.create_array(
+            "logits",
+            shape=(steps, num_heads, self.num_tokens, self.num_tokens),
+            chunks=(1, 1, t, t),
+            shards=(1, 1, t, self.num_tokens),
+            dtype="float16",
+            fill_value=np.nan,
+            compressors=logits_codec(),
+            dimension_names=LOGITS_DIMS,
+            attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
+            config={"write_empty_chunks": False},
+        )
+        token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), t)
+        for name, dims, values in (
+            ("timestep", ("step",), np.asarray(timesteps, dtype=np.float32)),
+            ("pass_kind", ("step",), np.asarray(pass_kinds, dtype=str)),
+            ("query_frame", ("query_token",), token_frame),
+            ("key_frame", ("key_token",), token_frame),
+        ):
+            array = group.create_array(
+                name,
+                shape=values.shape,
+                dtype=str if name == "pass_kind" else values.dtype,
+                dimension_names=dims,
+            )
+            array[:] = values
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_rows)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"zarr-writer {self.path.name}", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # drain after a failure; the error surfaces in write_row/close
+            try:
+                self._write(*item)
+            except BaseException as err:
+                self._error = err
+
+    def _write(
+        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+    ):
+        t = self.frame_seq_length
+        row = np.full((t, self.num_tokens), np.nan, dtype=np.float16)
+        for first, stop, offset in key_frame_runs(key_frames):
+            width = (stop - first) * t
+            row[:, first * t : stop * t] = tile[:, offset * t : offset * t + width]
+        rows = slice(query_frame * t, (query_frame + 1) * t)
+        self.logits[step, head, rows, :] = row
+
+    def write_row(
+        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+    ) -> None:
+        """Queue logits [T, len(key_frames) * T] of one query frame and head against the visible
+        key frames (ascending absolute frames, whole frames)."""
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.tmp} failed") from self._error
+        self._queue.put((step, head, query_frame, tile, key_frames))
+
+    def close(self) -> Path:
+        """Finish writing, consolidate metadata and move the store to its final name."""
+        if self._closed:
+            return self.path
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise RuntimeError(f"writing {self.tmp} failed") from self._error
+        with warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore"
+            )  # zarr notes consolidated metadata is not in the v3 spec
+            zarr.consolidate_metadata(str(self.tmp))
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.tmp.rename(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Stop and delete everything written so far."""
+        if not self._closed:
+            self._closed = True
+            self._error = self._error or RuntimeError("aborted")
+            self._queue.put(None)
+            self._thread.join()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> TokenStoreWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,92 @@
+"""Wan2.1 DiT hyper-parameters, read from and written to Wan's original `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Keys the original config.json (or WanModel.__init__) may carry that do not change the T2V DiT.
+_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """Defaults are Wan2.1-T2V-1.3B (WanModel.__init__ defaults + its config.json)."""
+
+    dim: int = 1536
+    ffn_dim: int = 8960
+    num_heads: int = 12
+    num_layers: int = 30
+    freq_dim: int = 256
+    text_dim: int = 4096
+    text_len: int = 512
+    in_dim: int = 16
+    out_dim: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    window_size: tuple[int, int] = (-1, -1)
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    eps: float = 1e-6
+    model_type: str = "t2v"
+
+    def __post_init__(self):
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ValueError(f"head_dim={self.head_dim} must be even and >= 6 for 3D RoPE")
+        if self.model_type != "t2v":
+            raise ValueError(
+                f"model_type={self.model_type!r}: only text-to-video ('t2v') is supported"
+            )
+        if tuple(self.window_size) != (-1, -1):
+            raise ValueError(f"window_size={self.window_size}: only global attention is supported")
+        if not (self.qk_norm and self.cross_attn_norm):
+            raise ValueError(
+                "qk_norm and cross_attn_norm must be true (as in every Wan2.1 T2V model)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> WanConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields - _IGNORED_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown Wan config keys {unknown}; known: {sorted(fields)}"
+            )
+        kwargs = {k: v for k, v in values.items() if k in fields}
+        for key in ("patch_size", "window_size"):
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> WanConfig:
+        path = Path(path)
+        try:
+            values = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Wan config not found: {path}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(values, source=str(path))
+
+    def to_dict(self) -> dict:
+        values = dataclasses.asdict(self)
+        values["patch_size"] = list(self.patch_size)
+        values["window_size"] = list(self.window_size)
+        return {"_class_name": "WanModel", **values}
+
+    def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
+        """Tokens of one latent frame after patchify (1560 for a 60 x 104 latent)."""
+        _, ph, pw = self.patch_size
+        if latent_height % ph or latent_width % pw:
+            raise ValueError(
+                f"latent grid {latent_height}x{latent_width} is not divisible by patch {ph}x{pw}"
+            )
+        return (latent_height // ph) * (latent_width // pw)

@@ -1,0 +1,397 @@
+"""The Wan2.1 text-to-video DiT, bidirectional and block-causal with a KV cache.
+
+Module and parameter names are those of Wan's original `WanModel` (and Self-Forcing's
+`CausalWanModel`), so the original `diffusion_pytorch_model.safetensors` loads without renaming.
+Timesteps are per latent frame ([B, F]) as in Self-Forcing, so one code path serves the
+bidirectional model (all frames equal), teacher-forcing style masked forwards and the rollout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import WanConfig
+from .rope import apply_rope, rope_angles
+
+
+def timestep_sinusoid(dim: int, timesteps: torch.Tensor) -> torch.Tensor:
+    """[cos | sin] embedding of timesteps [N], computed in float64 as in the reference."""
+    half = dim // 2
+    position = timesteps.to(torch.float64)
+    angles = torch.outer(
+        position,
+        torch.pow(10000, -torch.arange(half, dtype=torch.float64).div(half)).to(position.device),
+    )
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=1)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm over the full width (all heads together), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 and cast back, as Wan's WanLayerNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).type_as(x)
+
+
+class KVCache:
+    """Self-attention key/value cache of one layer, with Self-Forcing's rolling semantics.
+
+    `slot_token` records the absolute token each slot holds, so captured keys can be mapped back
+    to absolute frames after the cache has rolled.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        slots: int,
+        num_heads: int,
+        head_dim: int,
+        frame_seq_length: int,
+        local_attn_size: int,
+        sink_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.k = torch.zeros(batch, slots, num_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.slot_token = torch.full((slots,), -1, dtype=torch.long, device=device)
+        self.frame_seq_length = frame_seq_length
+        self.local_attn_size = local_attn_size
+        self.sink_tokens = sink_size * frame_seq_length
+        self.max_attention_size = slots
+        self.global_end = 0
+        self.local_end = 0
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, current_start: int):
+        """Write k, v of tokens [current_start, current_start + n).
+
+        Returns the visible keys, values and the absolute token of each visible slot."""
+        n = k.shape[1]
+        current_end = current_start + n
+        is_new_block = current_end > self.global_end
+        if self.local_attn_size != -1 and is_new_block and n + self.local_end > self.slots:
+            evict = n + self.local_end - self.slots
+            keep = self.local_end - evict - self.sink_tokens
+            src = slice(self.sink_tokens + evict, self.sink_tokens + evict + keep)
+            dst = slice(self.sink_tokens, self.sink_tokens + keep)
+            self.k[:, dst] = self.k[:, src].clone()
+            self.v[:, dst] = self.v[:, src].clone()
+            self.slot_token[dst] = self.slot_token[src].clone()
+            local_end = self.local_end + current_end - self.global_end - evict
+        else:
+            local_end = self.local_end + current_end - self.global_end
+        if local_end > self.slots:
+            raise RuntimeError(
+                f"KV cache of {self.slots} slots cannot hold tokens up to {current_end}: "
+                "set local_attn_size to roll the cache for long rollouts"
+            )
+        self.k[:, local_end - n : local_end] = k
+        self.v[:, local_end - n : local_end] = v
+        self.slot_token[local_end - n : local_end] = torch.arange(
+            current_start, current_end, device=self.slot_token.device
+        )
+        self.global_end = max(self.global_end, current_end)
+        self.local_end = local_end
+        visible = slice(max(0, local_end - self.max_attention_size), local_end)
+        return self.k[:, visible], self.v[:, visible], self.slot_token[visible]
+
+
+@dataclass
+class AttentionContext:
+    """What one self-attention call needs besides its input."""
+
+    grid: tuple[int, int, int]  # (frames, height, width) of the tokens in this call
+    start_frame: int = 0  # absolute latent frame of the first token (RoPE offset)
+    attn_mask: torch.Tensor | None = None  # bool [L, L], True = may attend (full forward only)
+    caches: list[KVCache] | None = None
+
+
+# A capture hook: (layer, q [B, n, H, D], k [B, m, H, D], key_tokens [m], query_start_token).
+CaptureHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+        self.layer_index = -1
+        self.capture: CaptureHook | None = None
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        b, s, _ = x.shape
+        shape = (b, s, self.num_heads, self.head_dim)
+        angles = rope_angles(self.head_dim, ctx.grid, ctx.start_frame, x.device)
+        # RMS norm over the whole width, then RoPE: exactly what the attention kernel sees.
+        q = apply_rope(self.norm_q(self.q(x)).view(shape), angles)
+        k = apply_rope(self.norm_k(self.k(x)).view(shape), angles)
+        v = self.v(x).view(shape)
+        query_start = ctx.start_frame * ctx.grid[1] * ctx.grid[2]
+        if ctx.caches is not None:
+            k_all, v_all, key_tokens = ctx.caches[self.layer_index].update(k, v, query_start)
+            mask = None
+        else:
+            k_all, v_all = k, v
+            key_tokens = torch.arange(query_start, query_start + s, device=x.device)
+            mask = ctx.attn_mask
+        if self.capture is not None:
+            self.capture(self.layer_index, q, k_all, key_tokens, query_start)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
+        )
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q = self.norm_q(self.q(x)).view(b, -1, self.num_heads, self.head_dim)
+        # All text slots are attended, zero-padded ones included, as in Wan and Self-Forcing.
+        k = self.norm_k(self.k(context)).view(b, -1, self.num_heads, self.head_dim)
+        v = self.v(context).view(b, -1, self.num_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        )
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.norm1 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.self_attn = SelfAttention(cfg.dim, cfg.num_heads, cfg.eps)
+        self.norm3 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)
+        self.cross_attn = CrossAttention(cfg.dim, cfg.num_heads, cfg.eps)
+        self.norm2 = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.ffn_dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(cfg.ffn_dim, cfg.dim),
+        )
+        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
+
+    def forward(
+        self, x: torch.Tensor, e0: torch.Tensor, context: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        frames = e0.shape[1]
+        # e0 [B, F, 6, dim]: per-frame shift/scale/gate, broadcast over each frame's tokens.
+        shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = (
+            self.modulation.unsqueeze(1) + e0
+        ).chunk(6, dim=2)
+
+        def per_frame(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(1, (frames, -1))
+
+        y = self.self_attn(
+            (per_frame(self.norm1(x)) * (1 + scale_msa) + shift_msa).flatten(1, 2), ctx
+        )
+        x = x + (per_frame(y) * gate_msa).flatten(1, 2)
+        x = x + self.cross_attn(self.norm3(x), context)
+        y = self.ffn((per_frame(self.norm2(x)) * (1 + scale_ffn) + shift_ffn).flatten(1, 2))
+        return x + (per_frame(y) * gate_ffn).flatten(1, 2)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.norm = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.head = nn.Linear(cfg.dim, math.prod(cfg.patch_size) * cfg.out_dim)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        frames = e.shape[1]
+        shift, scale = (self.modulation.unsqueeze(1) + e.unsqueeze(2)).chunk(2, dim=2)
+        x = self.norm(x).unflatten(1, (frames, -1)) * (1 + scale) + shift
+        return self.head(x.flatten(1, 2))
+
+
+class WanModel(nn.Module):
+    """Wan2.1 T2V DiT. `forward` runs a full (optionally masked) sequence or one cached block."""
+
+    def __init__(self, cfg: WanConfig):
+        super().__init__()
+        self.config = cfg
+        self.patch_embedding = nn.Conv3d(
+            cfg.in_dim, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
+        self.text_embedding = nn.Sequential(
+            nn.Linear(cfg.text_dim, cfg.dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(cfg.dim, cfg.dim),
+        )
+        self.time_embedding = nn.Sequential(
+            nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim)
+        )
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, cfg.dim * 6))
+        self.blocks = nn.ModuleList(AttentionBlock(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg)
+        for index, block in enumerate(self.blocks):
+            block.self_attn.layer_index = index
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Wan's initialisation (xavier linear/conv, N(0, 0.02) embeddings), seeded by `generator`.
+
+        Unlike Wan the output head is not zeroed, so a random model still moves its latents.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight, generator=generator)
+                nn.init.zeros_(module.bias)
+        nn.init.xavier_uniform_(self.patch_embedding.weight.flatten(1), generator=generator)
+        nn.init.zeros_(self.patch_embedding.bias)
+        for seq in (self.text_embedding, self.time_embedding):
+            for module in seq:
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=0.02, generator=generator)
+        for name, param in self.named_parameters():
+            if name.endswith("modulation"):
+                with torch.no_grad():
+                    param.copy_(
+                        torch.randn(param.shape, generator=generator) / self.config.dim**0.5
+                    )
+
+    def set_capture(self, hook: CaptureHook | None, layers: set[int] | None = None) -> None:
+        """Call `hook` from the self-attention of `layers` (all layers if None); None removes it."""
+        for index, block in enumerate(self.blocks):
+            wanted = hook is not None and (layers is None or index in layers)
+            block.self_attn.capture = hook if wanted else None
+
+    def new_kv_caches(
+        self,
+        *,
+        num_frames: int,
+        frame_seq_length: int,
+        local_attn_size: int = -1,
+        sink_size: int = 0,
+        batch: int = 1,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> list[KVCache]:
+        """One cache per layer: num_frames (or local_attn_size) x frame_seq_length slots."""
+        frames = num_frames if local_attn_size == -1 else local_attn_size
+        cfg = self.config
+        return [
+            KVCache(
+                batch,
+                frames * frame_seq_length,
+                cfg.num_heads,
+                cfg.head_dim,
+                frame_seq_length,
+                local_attn_size,
+                sink_size,
+                torch.device(device),
+                dtype,
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def embed_text(self, context: torch.Tensor) -> torch.Tensor:
+        """Text embeddings [B, L, text_dim] zero-padded to text_len, projected to model width."""
+        length = context.shape[1]
+        if length > self.config.text_len:
+            raise ValueError(
+                f"text context has {length} tokens, more than text_len={self.config.text_len}"
+            )
+        if length < self.config.text_len:
+            context = F.pad(context, (0, 0, 0, self.config.text_len - length))
+        return self.text_embedding(context)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        context: torch.Tensor,
+        *,
+        kv_caches: list[KVCache] | None = None,
+        start_frame: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        text_embedded: bool = False,
+    ) -> torch.Tensor:
+        """Velocity prediction for latents x [B, C, F, H, W] at per-frame timesteps [B, F].
+
+        With kv_caches, x is one block starting at latent frame `start_frame`; its keys and values
+        enter the caches and it attends to everything cached. attn_mask (bool, over tokens) applies
+        to full-sequence calls only.
+        """
+        cfg = self.config
+        if kv_caches is not None and attn_mask is not None:
+            raise ValueError("attn_mask applies to full-sequence forwards, not cached blocks")
+        batch, _, frames = x.shape[:3]
+        if timesteps.shape != (batch, frames):
+            raise ValueError(
+                f"timesteps must be [B, F] = {[batch, frames]}, got {list(timesteps.shape)}"
+            )
+        tokens = self.patch_embedding(x)
+        grid = tuple(tokens.shape[2:])
+        tokens = tokens.flatten(2).transpose(1, 2)
+
+        e = self.time_embedding(
+            timestep_sinusoid(cfg.freq_dim, timesteps.flatten()).to(tokens.dtype)
+        )
+        e = e.unflatten(0, (batch, frames))
+        e0 = self.time_projection(e).unflatten(2, (6, cfg.dim))
+        text = context if text_embedded else self.embed_text(context)
+
+        ctx = AttentionContext(
+            grid=grid, start_frame=start_frame, attn_mask=attn_mask, caches=kv_caches
+        )
+        for block in self.blocks:
+            tokens = block(tokens, e0, text, ctx)
+        out = self.head(tokens, e)
+        return self.unpatchify(out, grid)
+
+    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        pt, ph, pw = self.config.patch_size
+        f, h, w = grid
+        c = self.config.out_dim
+        out = tokens.view(tokens.shape[0], f, h, w, pt, ph, pw, c)
+        out = torch.einsum("bfhwpqrc->bcfphqwr", out)
+        return out.reshape(tokens.shape[0], c, f * pt, h * ph, w * pw)
+
+
+def block_causal_mask(
+    visible_frames: torch.Tensor, frame_seq_length: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Token mask [F*T, F*T] from a frame visibility matrix bool [F, F] (True = may attend)."""
+    expanded = visible_frames.to(torch.bool).repeat_interleave(frame_seq_length, dim=0)
+    return expanded.repeat_interleave(frame_seq_length, dim=1).to(device)

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny Wan models of the real architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinkscope.sampling import Geometry
+from sinkscope.wan.config import WanConfig
+from sinkscope.wan.model import WanModel
+
+# head_dim 16: RoPE channels 8 (frame) / 4 (height) / 4 (width).
+TINY = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, freq_dim=16, text_dim=8, text_len=8)
+# 6 latent frames in 3 blocks of 2; a 4 x 6 latent gives 2 x 3 = 6 tokens per frame.
+TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, latent_width=6)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+
+
+def make_tiny_model(seed: int = 0, cfg: WanConfig = TINY) -> WanModel:
+    model = WanModel(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture
+def tiny_model() -> WanModel:
+    return make_tiny_model()
+
+
+@pytest.fixture
+def tiny_text() -> torch.Tensor:
+    return torch.randn(1, 5, TINY.text_dim, generator=torch.Generator().manual_seed(7))

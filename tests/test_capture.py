@@ -1,0 +1,212 @@
+"""Capture and token store (Contract 1) against logits recomputed from the model's own q and k."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from sinkscope.capture import LogitCapture
+from sinkscope.config import resolve_passes
+from sinkscope.extract import extract
+from sinkscope.frames import block_starts, visible_frames
+from sinkscope.sampling import SELF_FORCING, rollout
+from sinkscope.store import TokenStoreWriter, partial_path
+from sinkscope.wan.checkpoint import save_wan_model
+from sinkscope.wan.text import save_prompt_embedding
+
+from .conftest import TINY, TINY_GEOMETRY, make_tiny_model
+from .test_model import reference_rope
+
+T = TINY.tokens_per_frame(4, 6)
+GRID_HW = (2, 3)
+
+
+def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=0):
+    """Roll out with the capture of one layer, recording that layer's pre-RoPE q and k."""
+    records = []
+    attn = model.blocks[layer].self_attn
+    handles = [
+        attn.norm_q.register_forward_hook(lambda m, a, out: records.append(["q", out.clone()])),
+        attn.norm_k.register_forward_hook(lambda m, a, out: records.append(["k", out.clone()])),
+    ]
+    passes = resolve_passes("all", 4)
+    writer = TokenStoreWriter(
+        path,
+        num_heads=TINY.num_heads,
+        num_frames=TINY_GEOMETRY.num_frames,
+        frame_seq_length=T,
+        timesteps=SELF_FORCING.pass_timesteps(),
+        pass_kinds=SELF_FORCING.pass_kinds(),
+        attrs={},
+    )
+    capture = LogitCapture({layer: writer}, passes, T, TINY.head_dim)
+    model.set_capture(capture, {layer})
+    with writer:
+        rollout(
+            model,
+            text,
+            geometry=TINY_GEOMETRY,
+            local_attn_size=local_attn_size,
+            sink_size=sink_size,
+            seed=2,
+            on_pass=capture.begin_pass,
+            progress=False,
+        )
+    model.set_capture(None)
+    for h in handles:
+        h.remove()
+    # One q and one k per model call, in call order: calls[block * 5 + pass] = (q, k).
+    qs = [r[1][0] for r in records if r[0] == "q"]
+    ks = [r[1][0] for r in records if r[0] == "k"]
+    return list(zip(qs, ks, strict=True))
+
+
+def _roped(x: torch.Tensor, start_frame: int, frames: int) -> np.ndarray:
+    heads = x.reshape(x.shape[0], TINY.num_heads, TINY.head_dim).double().numpy()
+    return reference_rope(heads, (frames, *GRID_HW), start_frame)
+
+
+@pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 2)], ids=["full", "sink"])
+def test_stored_logits_equal_q_dot_k_over_sqrt_d(
+    tmp_path, tiny_model, tiny_text, local_attn_size, sink_size
+):
+    layer = 1
+    store = tmp_path / "layer1.zarr"
+    calls = _capture_rollout(
+        tiny_model, tiny_text, store, layer, local_attn_size=local_attn_size, sink_size=sink_size
+    )
+    sizes = TINY_GEOMETRY.block_sizes
+    seen = visible_frames(sizes, local_attn_size, sink_size)
+    stored = xr.open_zarr(store).logits.values.astype(np.float64)
+    n = TINY_GEOMETRY.num_frames * T
+    expected = np.full((5, TINY.num_heads, n, n), np.nan)
+    # Keys in the cache are the clean keys of each earlier block's cache pass.
+    clean_keys = {}
+    for block, start in enumerate(block_starts(sizes)):
+        start, size = int(start), sizes[block]
+        for step in range(5):
+            q_raw, k_raw = calls[block * 5 + step]
+            q = _roped(q_raw, start, size)
+            keys = dict(clean_keys)
+            roped_k = _roped(k_raw, start, size)
+            for i in range(size):
+                keys[start + i] = roped_k[i * T : (i + 1) * T]
+            rows = slice(start * T, (start + size) * T)
+            for key_frame in np.flatnonzero(seen[start]):
+                cols = slice(key_frame * T, (key_frame + 1) * T)
+                expected[step, :, rows, cols] = np.einsum(
+                    "qhd,khd->hqk", q, keys[key_frame]
+                ) / math.sqrt(TINY.head_dim)
+            if step == 4:
+                clean_keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
+    np.testing.assert_array_equal(np.isnan(stored), np.isnan(expected))
+    np.testing.assert_allclose(stored, expected, rtol=2e-3, atol=2e-3, equal_nan=True)
+    # NaN exactly on the tiles a block-causal query cannot see (here checked per frame pair).
+    tile_nan = np.isnan(stored).reshape(5, TINY.num_heads, 6, T, 6, T).all(axis=(3, 5))
+    assert (tile_nan == ~seen[None, None]).all()
+
+
+def test_store_is_contract_1(tmp_path, tiny_model, tiny_text):
+    store = tmp_path / "layer0.zarr"
+    _capture_rollout(tiny_model, tiny_text, store, 0)
+    ds = xr.open_zarr(store)
+    assert ds.logits.dims == ("step", "head", "query_token", "key_token")
+    assert ds.logits.dtype == np.float16
+    assert ds.logits.encoding["chunks"] == (1, 1, T, T)
+    assert ds.logits.encoding["shards"] == (1, 1, T, 6 * T)
+    np.testing.assert_allclose(ds.timestep.values, [1000, 937.5, 833.3333, 625, 0], rtol=1e-6)
+    assert list(ds.pass_kind.values) == ["denoise"] * 4 + ["cache"]
+    np.testing.assert_array_equal(ds.query_frame.values, np.repeat(np.arange(6), T))
+    np.testing.assert_array_equal(ds.key_frame.values, np.repeat(np.arange(6), T))
+    assert not partial_path(store).exists()
+
+
+def test_failed_write_leaves_no_store(tmp_path):
+    store = tmp_path / "layer0.zarr"
+    with (
+        pytest.raises(KeyError),
+        TokenStoreWriter(
+            store,
+            num_heads=1,
+            num_frames=2,
+            frame_seq_length=2,
+            timesteps=[0.0],
+            pass_kinds=["cache"],
+            attrs={},
+        ) as writer,
+    ):
+        writer.write_row(0, 0, 0, np.zeros((2, 2), np.float16), np.array([0]))
+        raise KeyError("boom")
+    assert not store.exists() and not partial_path(store).exists()
+
+
+def _write_inputs(tmp_path):
+    base = tmp_path / "ckpt"
+    save_wan_model(make_tiny_model(seed=4), base)
+    prompt = tmp_path / "prompt.safetensors"
+    embeds = torch.randn(TINY.text_len, TINY.text_dim, generator=torch.Generator().manual_seed(1))
+    save_prompt_embedding(prompt, embeds, prompt="a test prompt", length=5)
+    settings = {
+        "checkpoint": {"base": str(base)},
+        "sampler": {
+            "steps": [1000, 750, 500, 250],
+            "shift": 5.0,
+            "warp": True,
+            "local_attn_size": -1,
+            "sink_size": 0,
+        },
+        "video": {"num_frames": 6, "frames_per_block": 2, "latent_height": 4, "latent_width": 6},
+        "capture": {"passes": "all"},
+        "seed": 42,
+        "device": "cpu",
+    }
+    return prompt, settings
+
+
+def _store_bytes(path):
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and p.name != "zarr.json"
+    }
+
+
+def test_one_job_per_layer_and_one_job_for_all_layers_write_the_same_bytes(tmp_path):
+    prompt, settings = _write_inputs(tmp_path)
+    common = dict(
+        checkpoint_name="tiny",
+        prompt_name="p",
+        prompt_embeddings=prompt,
+        settings=settings,
+        progress=False,
+    )
+    extract(layers=[0], outputs=[tmp_path / "a" / "layer0.zarr"], **common)
+    extract(layers=[1], outputs=[tmp_path / "a" / "layer1.zarr"], **common)
+    extract(
+        layers=[0, 1],
+        outputs=[tmp_path / "b" / "layer0.zarr", tmp_path / "b" / "layer1.zarr"],
+        **common,
+    )
+    for layer in (0, 1):
+        a = _store_bytes(tmp_path / "a" / f"layer{layer}.zarr")
+        b = _store_bytes(tmp_path / "b" / f"layer{layer}.zarr")
+        assert a.keys() == b.keys() and len(a) > 10
+        assert all(a[k] == b[k] for k in a)
+    meta = json.loads((tmp_path / "a" / "layer1.zarr" / "zarr.json").read_text())
+    attrs = meta["attributes"]
+    assert (
+        attrs["layer"] == 1
+        and attrs["checkpoint"] == "tiny"
+        and attrs["prompt_text"] == "a test prompt"
+    )
+    assert attrs["frame_seq_length"] == T and attrs["block_sizes"] == [2, 2, 2]
+    assert attrs["latent_grid"] == [6, 2, 3] and len(attrs["checkpoint_sha256"]) == 64
+    # A different layer gives different logits: the comparison above is not vacuous.
+    a0 = _store_bytes(tmp_path / "a" / "layer0.zarr")
+    a1 = _store_bytes(tmp_path / "a" / "layer1.zarr")
+    assert any(a0[k] != a1.get(k) for k in a0 if k.startswith("logits/c"))

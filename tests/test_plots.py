@@ -1,0 +1,383 @@
+"""Figures from synthetic frame datasets (Contract 2): files, text, and the plotted numbers."""
+
+from __future__ import annotations
+
+import time
+import warnings
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import matplotlib.colors as mcolors
+import numpy as np
+import pytest
+import xarray as xr
+from matplotlib.collections import QuadMesh
+from matplotlib.container import BarContainer
+from matplotlib.text import Annotation
+
+from sinkscope import frames, plots
+
+TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
+PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]
+DEMO_BLOCKS = [3] * 7  # 21 latent frames, 7 blocks of 3
+
+
+def make_frame_dataset(
+    checkpoint: str = "demo",
+    prompt: str = "cat",
+    layer: int = 0,
+    *,
+    num_heads: int = 4,
+    block_sizes: list[int] = DEMO_BLOCKS,
+    local_attn_size: int = -1,
+    sink_size: int = 0,
+    seed: int = 0,
+) -> xr.Dataset:
+    """A frame dataset shaped like the real thing: a strong first frame plus the own block."""
+    rng = np.random.default_rng(seed)
+    num_frames = sum(block_sizes)
+    seen = frames.visible_frames(block_sizes, local_attn_size, sink_size)
+    blocks = frames.block_of_frame(block_sizes)
+    query = np.arange(num_frames)[:, None]
+    key = np.arange(num_frames)[None, :]
+    head_sink = 1.0 + 0.8 * np.arange(num_heads) + 0.5 * layer
+    pattern = (
+        head_sink[:, None, None] * (key == 0)
+        + 1.5 * (blocks[query] == blocks[key])
+        - 0.05 * (query - key)
+    )
+    step_scale = np.linspace(1.0, 0.7, TIMESTEPS.size)[:, None, None, None]
+    noise = 0.2 * rng.standard_normal((TIMESTEPS.size, num_heads, num_frames, num_frames))
+    logits = np.where(seen, step_scale * pattern + noise, np.nan)
+    weights = np.where(seen, np.exp(logits - np.nanmax(logits, axis=-1, keepdims=True)), 0.0)
+    prob = np.where(seen, weights / weights.sum(axis=-1, keepdims=True), np.nan)
+    entropy = -np.nansum(prob * np.log(prob), axis=-1)
+    return xr.Dataset(
+        {
+            "logit_mean": (("step", "head", "query_frame", "key_frame"), logits.astype(np.float32)),
+            "prob_mass": (("step", "head", "query_frame", "key_frame"), prob.astype(np.float32)),
+            "entropy": (("step", "head", "query_frame"), entropy.astype(np.float32)),
+        },
+        coords={
+            "step": np.arange(TIMESTEPS.size),
+            "head": np.arange(num_heads),
+            "query_frame": np.arange(num_frames),
+            "key_frame": np.arange(num_frames),
+            "timestep": ("step", TIMESTEPS),
+            "pass_kind": ("step", np.array(PASS_KINDS, dtype=object)),
+            "block": ("query_frame", blocks),
+            "checkpoint": np.array(checkpoint, dtype=object),
+            "prompt": np.array(prompt, dtype=object),
+            "layer": layer,
+        },
+        attrs={
+            "block_sizes": list(block_sizes),
+            "num_frames": num_frames,
+            "frame_seq_length": 4,
+            "prompt_text": f"a {prompt} walking",
+            "num_heads": num_heads,
+        },
+    )
+
+
+def write_store(root: Path, ds: xr.Dataset) -> Path:
+    path = root / str(ds["checkpoint"].values) / str(ds["prompt"].values)
+    path = path / f"layer{int(ds['layer'])}.zarr"
+    ds.to_zarr(path, zarr_format=3, mode="w")
+    return path
+
+
+def numpy_last_block(ds: xr.Dataset, variable: str, step: int) -> np.ndarray:
+    """(head, key_frame) mean over the last block's query frames, computed independently."""
+    blocks = ds["block"].values
+    rows = np.flatnonzero(blocks == blocks.max())
+    values = ds[variable].values[list(ds["step"].values).index(step)]
+    with warnings.catch_warnings():  # key frames no last-block query sees stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(values[:, rows, :], axis=1)
+
+
+def svg_texts(path: Path) -> list[str]:
+    root = ET.parse(path).getroot()
+    return ["".join(el.itertext()) for el in root.iter("{http://www.w3.org/2000/svg}text")]
+
+
+def svg_has_raster(path: Path) -> bool:
+    return any(True for _ in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}image"))
+
+
+def figure_texts(fig) -> list[str]:
+    texts = [t.get_text() for t in fig.texts]
+    for ax in fig.axes:
+        texts += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+        texts += [t.get_text() for t in ax.texts]
+    return texts
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_labels():
+    assert plots.head_label(0, 0) == "L1H1"
+    assert plots.head_label(4, 9) == "L5H10"
+    labels = [plots.timestep_label(t, k) for t, k in zip(TIMESTEPS, PASS_KINDS, strict=True)]
+    assert labels == ["t=1000", "t=937.5", "t=833.33", "t=625", "cache"]
+    ds = make_frame_dataset()
+    assert plots.step_title(ds, 0) == "t=1000"
+    assert plots.step_title(ds, 4) == "cache pass"
+
+
+@pytest.mark.parametrize(
+    ("measure", "variable"), [("logits", "logit_mean"), ("probabilities", "prob_mass")]
+)
+@pytest.mark.parametrize("step", [0, 2, 4])
+def test_last_block_profile_matches_numpy(measure, variable, step):
+    ds = make_frame_dataset(seed=3)
+    profile = plots.last_block_profile(ds, measure, step)
+    assert profile.dims == ("head", "key_frame")
+    np.testing.assert_allclose(profile.values, numpy_last_block(ds, variable, step), rtol=1e-6)
+    if measure == "probabilities":
+        np.testing.assert_allclose(np.nansum(profile.values, axis=1), 1.0, rtol=1e-5)
+
+
+def test_sink_score_uses_frames_between_first_and_last_visible():
+    # A local window with sink frames: the last block sees frames 0-2 and the latest ones only.
+    ds = make_frame_dataset(local_attn_size=9, sink_size=3, seed=5)
+    profile = plots.last_block_profile(ds, "logits", 0)
+    expected = numpy_last_block(ds, "logit_mean", 0)
+    visible = np.flatnonzero(np.isfinite(expected[0]))
+    assert visible[0] == 0 and visible[-1] == 20 and np.isnan(expected[0, 5])
+    middle = np.nanmean(expected[:, 1:20], axis=1)
+    parts = plots.profile_parts(profile)
+    np.testing.assert_allclose(parts.sel(part="first"), expected[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(parts.sel(part="middle"), middle, rtol=1e-6)
+    np.testing.assert_allclose(parts.sel(part="last"), expected[:, 20], rtol=1e-6)
+    np.testing.assert_allclose(plots.sink_scores(profile), expected[:, 0] - middle, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("measure", "variable"), [("logits", "logit_mean"), ("probabilities", "prob_mass")]
+)
+def test_figure4_plots_the_last_block_profile_and_its_max(measure, variable):
+    datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
+    heads = [(0, 0), (1, 3)]
+    fig = plots.plot_figure4(datasets, heads, measure=measure, step=2)
+    assert [ax.get_title() for ax in fig.axes] == ["L1H1", "L2H4"]
+    for ax, (layer, head) in zip(fig.axes, heads, strict=True):
+        expected = numpy_last_block(datasets[layer], variable, 2)[head]
+        heights = [patch.get_height() for patch in ax.containers[0]]
+        np.testing.assert_allclose(heights, expected, rtol=1e-6)
+        np.testing.assert_allclose(ax.lines[0].get_ydata(), expected, rtol=1e-6)
+        (annotation,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        peak = int(np.argmax(expected))
+        assert annotation.xy == pytest.approx((peak, expected.max()))
+        assert f"{expected.max():.3g}" in annotation.get_text()
+        assert f"frame {peak}" in annotation.get_text()
+        assert ax.get_xlabel() == "Key frame (latent)"
+        assert ax.get_ylabel() == plots.PROFILE_LABELS[measure]
+    assert "demo · cat · t=833.33" in fig.texts[0].get_text()
+
+
+def test_figure4_svg_text_names_heads_one_based(tmp_path):
+    datasets = [make_frame_dataset(layer=layer, num_heads=10) for layer in (0, 4)]
+    fig = plots.plot_figure4(datasets, [(0, 0), (4, 9)])
+    path = plots.save_figure(fig, tmp_path / "figure4.svg")
+    texts = svg_texts(path)
+    assert "L1H1" in texts and "L5H10" in texts
+    assert "Key frame (latent)" in texts and plots.PROFILE_LABELS["logits"] in texts
+    assert any("demo" in t and "cat" in t and "t=1000" in t for t in texts)
+    assert "Arial" in path.read_text()
+    assert not svg_has_raster(path)
+
+
+def test_video_frame_axis_spreads_21_latents_over_81_frames():
+    ds = make_frame_dataset()
+    fig = plots.plot_figure4([ds], [(0, 1)], frame_axis="video")
+    (ax,) = fig.axes
+    centers = [patch.get_x() + patch.get_width() / 2 for patch in ax.containers[0]]
+    np.testing.assert_allclose(centers, frames.video_frame_centers(21))
+    assert centers[0] == 0 and centers[1] == 2.5 and 78 < centers[-1] <= 80
+    assert ax.get_xlim() == pytest.approx((-0.5, 80.5))
+    assert ax.get_xlabel() == "Key frame (video)"
+    edges = plots.frame_edges(21, "video")
+    assert edges[0] == -0.5 and edges[-1] == 80.5 and np.all(np.diff(edges[1:]) == 4)
+
+    maps = plots.plot_frame_maps(ds, frame_axis="video")
+    mesh = next(c for c in maps.axes[0].collections if isinstance(c, QuadMesh))
+    corners = mesh.get_coordinates()
+    assert corners[..., 0].min() == -0.5 and corners[..., 0].max() == 80.5
+    assert "Query frame (video)" in figure_texts(maps)
+
+
+def test_frame_maps_grey_unseen_symmetric_logits_log_probabilities():
+    ds = make_frame_dataset()
+    grey = mcolors.to_rgba(plots.UNSEEN_COLOR)
+    unseen = np.isnan(ds["logit_mean"].values[0])  # (head, query, key)
+    assert unseen.any()
+
+    fig = plots.plot_frame_maps(ds, measure="logits")
+    meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
+    assert len(meshes) == 4
+    limit = np.nanmax(np.abs(ds["logit_mean"].values[0]))
+    for head, mesh in enumerate(meshes):
+        assert mesh.norm.vmin == pytest.approx(-limit) and mesh.norm.vmax == pytest.approx(limit)
+        assert mesh.cmap.get_bad() == pytest.approx(grey)
+        shown = np.ma.getmaskarray(mesh.get_array()).reshape(21, 21)
+        np.testing.assert_array_equal(shown, unseen[head])
+    assert [ax.get_title() for ax in fig.axes[:4]] == ["L1H1", "L1H2", "L1H3", "L1H4"]
+
+    fig = plots.plot_frame_maps(ds, measure="probabilities")
+    meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
+    for head, mesh in enumerate(meshes):
+        assert isinstance(mesh.norm, mcolors.LogNorm)
+        assert mesh.cmap.get_bad() == pytest.approx(grey)
+        np.testing.assert_array_equal(
+            np.ma.getmaskarray(mesh.get_array()).reshape(21, 21), unseen[head]
+        )
+
+
+def test_layer_comparison_and_statistics_values():
+    datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
+    fig = plots.plot_layer_comparison(datasets)
+    (ax,) = fig.axes
+    for line, ds in zip(ax.lines, datasets, strict=True):
+        np.testing.assert_allclose(
+            line.get_ydata(), numpy_last_block(ds, "logit_mean", 0).mean(axis=0), rtol=1e-6
+        )
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["Layer 1", "Layer 2"]
+
+    fig = plots.plot_statistics(datasets)
+    (ax,) = fig.axes
+    first_bars, middle_bars, _ = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for i, ds in enumerate(datasets):
+        profile = numpy_last_block(ds, "logit_mean", 0)
+        assert first_bars[i].get_height() == pytest.approx(profile[:, 0].mean(), rel=1e-6)
+        middle = profile[:, 1:-1].mean(axis=1).mean()
+        assert middle_bars[i].get_height() == pytest.approx(middle, rel=1e-6)
+
+
+def test_heads_grid_titles_carry_sink_scores():
+    ds = make_frame_dataset(layer=4, num_heads=10)
+    fig = plots.plot_heads_grid(ds)
+    profile = numpy_last_block(ds, "logit_mean", 0)
+    scores = profile[:, 0] - profile[:, 1:-1].mean(axis=1)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"L5H{h + 1} sink {scores[h]:.3g}" for h in range(10)]
+
+
+def test_render_run_figures_demo(tmp_path):
+    stores = [write_store(tmp_path / "frames", make_frame_dataset(layer=i, seed=i)) for i in (0, 1)]
+    out = tmp_path / "figures"
+    started = time.perf_counter()
+    written = plots.render_run_figures(stores, out, figure4_heads=[(0, 0), (1, 3)])
+    elapsed = time.perf_counter() - started
+    expected = ["figure4"]
+    for layer in (0, 1):
+        expected += [f"layer{layer}_heads_grid", f"layer{layer}_heads_heatmap"]
+        expected += [f"layer{layer}_frame_maps"]
+    expected += ["layer_comparison", "statistics"]
+    assert written == [out / f"{name}.svg" for name in expected]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}.svg" for name in expected)
+    for path in written:
+        texts = svg_texts(path)  # parses, or raises
+        assert texts, f"{path.name} has no <text>: svg.fonttype must be 'none'"
+        assert not svg_has_raster(path), f"{path.name} embeds a raster image"
+    expected_texts = {
+        "figure4": ["L1H1", "L2H4", "Key frame (latent)", plots.PROFILE_LABELS["logits"]],
+        "layer1_heads_grid": ["Key frame (latent)", plots.PROFILE_LABELS["logits"]],
+        "layer0_heads_heatmap": ["L1H1", "L1H4", "Head", "Key frame (latent)"],
+        "layer0_frame_maps": ["L1H3", "Query frame (latent)", plots.MAP_LABELS["logits"]],
+        "layer_comparison": ["Layer 1", "Layer 2", "Key frame (latent)"],
+        "statistics": ["L1", "L2", "Layer", "First frame", "Middle frames", "Last frame"],
+    }
+    for name, wanted in expected_texts.items():
+        texts = svg_texts(out / f"{name}.svg")
+        for text in wanted:
+            assert text in texts, f"{text!r} missing from {name}.svg"
+    grid_titles = [t for t in svg_texts(out / "layer1_heads_grid.svg") if " sink " in t]
+    assert [t.split(" sink ")[0] for t in grid_titles] == ["L2H1", "L2H2", "L2H3", "L2H4"]
+    assert elapsed < 60, f"rendering one demo run took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize(("fmt", "magic"), [("png", b"\x89PNG"), ("pdf", b"%PDF")])
+def test_other_formats(tmp_path, fmt, magic):
+    ds = make_frame_dataset(num_heads=2, block_sizes=[3, 3, 3])
+    store = write_store(tmp_path / "frames", ds)
+    written = plots.render_run_figures(
+        [store], tmp_path / "out", figure4_heads=[(0, 1)], measure="probabilities", fmt=fmt
+    )
+    assert len(written) == 6
+    for path in written:
+        assert path.suffix == f".{fmt}" and path.read_bytes().startswith(magic)
+
+
+def test_same_data_same_bytes(tmp_path):
+    ds = make_frame_dataset()
+    first = plots.save_figure(plots.plot_frame_maps(ds), tmp_path / "a.svg").read_bytes()
+    second = plots.save_figure(plots.plot_frame_maps(ds), tmp_path / "b.svg").read_bytes()
+    assert first == second
+
+
+def test_bad_requests_raise_naming_the_problem(tmp_path):
+    store = write_store(tmp_path / "frames", make_frame_dataset())
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"layer 4"):
+        plots.render_run_figures([store], out, figure4_heads=[(4, 9)])
+    with pytest.raises(ValueError, match=r"head 7 \(L1H8\)"):
+        plots.render_run_figures([store], out, figure4_heads=[(0, 7)])
+    with pytest.raises(ValueError, match=r"step 9"):
+        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], step=9)
+    with pytest.raises(ValueError, match=r"fmt"):
+        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], fmt="jpg")
+    with pytest.raises(ValueError, match=r"measure"):
+        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], measure="mass")
+    with pytest.raises(ValueError, match=r"frame_axis"):
+        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], frame_axis="pixel")
+    assert not out.exists(), "a failed request must not leave figures behind"
+    with pytest.raises(ValueError, match=r"layer 3"):
+        plots.render_compare_figures([store], out, heads=[(3, 0)])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        plots.render_run_figures([tmp_path / "nowhere.zarr"], out, figure4_heads=[(0, 0)])
+
+
+def test_render_compare_figures(tmp_path):
+    root = tmp_path / "frames"
+    stores = []
+    for c, checkpoint in enumerate(["self_forcing", "causvid"]):
+        for p, prompt in enumerate(["cat", "city", "sea"]):
+            for layer in (0, 1):
+                seed = 100 * c + 10 * p + layer
+                ds = make_frame_dataset(checkpoint, prompt, layer, seed=seed)
+                stores.append(write_store(root, ds))
+    # base_wan captured layer 0 only: skipped for heads of layer 1.
+    stores.append(write_store(root, make_frame_dataset("base_wan", "cat", 0, seed=7)))
+    heads = [(0, 0), (1, 3)]
+    out = tmp_path / "compare"
+    written = plots.render_compare_figures(stores, out, heads=heads)
+    assert written == [out / f"{name}.svg" for name in ("checkpoints", "prompts", "passes")]
+    for path in written:
+        texts = svg_texts(path)
+        assert not svg_has_raster(path)
+        for text in ("L1H1", "L2H4", "Key frame (latent)", plots.PROFILE_LABELS["logits"]):
+            assert any(text in t for t in texts), f"{text!r} missing from {path.name}"
+    passes = svg_texts(out / "passes.svg")
+    for label in ("t=1000", "t=937.5", "t=833.33", "t=625", "cache"):
+        assert label in passes
+    assert "L2H4 · base_wan" in passes and "layer not captured" in passes
+
+    datasets = [plots.load_frame_store(path) for path in stores]
+    fig = plots.plot_checkpoints(datasets, heads)
+    for ax, (layer, head) in zip(fig.axes, heads, strict=True):
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        names = (
+            ["self_forcing", "causvid", "base_wan"] if layer == 0 else ["self_forcing", "causvid"]
+        )
+        assert legend == [f"{n} (n={3 if n != 'base_wan' else 1})" for n in names]
+        for line, name in zip(ax.lines, names, strict=True):
+            runs = [
+                ds
+                for ds in datasets
+                if str(ds["checkpoint"].values) == name and int(ds["layer"]) == layer
+            ]
+            expected = np.mean([numpy_last_block(ds, "logit_mean", 0)[head] for ds in runs], axis=0)
+            np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-5)
