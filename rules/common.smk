@@ -2,6 +2,7 @@
 import re
 
 from sinkscope.config import (
+    canonical,
     ConfigError,
     check_config,
     checkpoint_inputs,

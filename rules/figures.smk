@@ -25,7 +25,7 @@ rule figures:
     conda:
         "../envs/analysis.yaml"
     params:
-        figures=config["figures"],
+        figures=canonical(config["figures"]),
     script:
         "../scripts/figures.py"
 
@@ -45,6 +45,6 @@ rule compare_figures:
     conda:
         "../envs/analysis.yaml"
     params:
-        figures=config["figures"],
+        figures=canonical(config["figures"]),
     script:
         "../scripts/compare_figures.py"

@@ -13,7 +13,7 @@ rule make_demo_checkpoint:
         "../envs/extract.yaml"
     params:
         seed=lambda wildcards: config["demo"]["checkpoints"][wildcards.demo],
-        model=config["demo"]["model"],
+        model=canonical(config["demo"]["model"]),
     script:
         "../scripts/make_demo_checkpoint.py"
 
@@ -27,6 +27,6 @@ rule make_demo_text_encoder:
         "../envs/extract.yaml"
     params:
         seed=config["demo"]["text_encoder_seed"],
-        size=config["demo"]["text_encoder"],
+        size=canonical(config["demo"]["text_encoder"]),
     script:
         "../scripts/make_demo_text_encoder.py"

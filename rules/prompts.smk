@@ -12,7 +12,7 @@ rule encode_prompt:
         "../envs/extract.yaml"
     params:
         text=lambda wildcards: config["prompts"][wildcards.prompt],
-        encoder=config["text_encoder"],
+        encoder=canonical(config["text_encoder"]),
         device=config["device"],
     script:
         "../scripts/encode_prompt.py"

@@ -65,6 +65,18 @@ def _model_config(config: dict, name: str) -> dict:
         raise ConfigError(f"checkpoints.{name}.base: {path} is not valid JSON ({err})") from None
 
 
+def canonical(value):
+    """`value` with every mapping's keys sorted, recursively.
+
+    Snakemake compares params by their text, so the key order of a YAML edit must not matter.
+    """
+    if isinstance(value, dict):
+        return {key: canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [canonical(item) for item in value]
+    return value
+
+
 def sampler_settings(config: dict, name: str) -> dict:
     """The global sampler with the checkpoint's overrides."""
     return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}
@@ -76,14 +88,16 @@ def extraction_settings(config: dict, name: str) -> dict:
     Used as the job's params, so adding layers or prompts does not re-run existing jobs.
     """
     entry = config["checkpoints"][name]
-    return {
-        "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
-        "sampler": sampler_settings(config, name),
-        "video": dict(config["video"]),
-        "capture": dict(config["capture"]),
-        "seed": config["seed"],
-        "device": config["device"],
-    }
+    return canonical(
+        {
+            "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
+            "sampler": sampler_settings(config, name),
+            "video": config["video"],
+            "capture": config["capture"],
+            "seed": config["seed"],
+            "device": config["device"],
+        }
+    )
 
 
 def extraction_gpus(config: dict) -> int:

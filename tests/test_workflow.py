@@ -1,0 +1,187 @@
+"""The Snakemake workflow on the embedded default, in a temporary copy of the repository."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "profiles", "envs"]
+
+
+def copy_workflow(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name)
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"snakemake {args} failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def planned_jobs(workdir: Path) -> set[tuple[str, str]]:
+    """(rule, wildcards) of every job a dry run would execute."""
+    out = snakemake(workdir, "--dry-run").stdout
+    jobs = set()
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
+        match = re.match(r"(?:local)?rule (\w+):", block.strip())
+        if match:
+            wildcards = re.search(r"wildcards: (.*)", block)
+            jobs.add((match.group(1), wildcards.group(1) if wildcards else ""))
+    return jobs
+
+
+def edit_config(workdir: Path, change) -> None:
+    path = workdir / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    change(config)
+    path.write_text(yaml.safe_dump(config))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    snakemake(workdir)
+    return workdir
+
+
+def test_demo_produces_every_contract(demo_run):
+    results = demo_run / "results"
+    for checkpoint in ("demo_a", "demo_b"):
+        for prompt in ("eagle", "harbor"):
+            for layer in (0, 2):
+                tokens = xr.open_zarr(results / f"logits/{checkpoint}/{prompt}/layer{layer}.zarr")
+                assert tokens.logits.shape == (5, 4, 21 * 24, 21 * 24)
+                assert tokens.attrs["checkpoint"] == checkpoint and tokens.attrs["layer"] == layer
+                frames = xr.open_zarr(results / f"frames/{checkpoint}/{prompt}/layer{layer}.zarr")
+                mass = frames.prob_mass.sum("key_frame", skipna=True).values
+                np.testing.assert_allclose(mass, 1.0, atol=1e-4)
+                stats = pd.read_csv(results / f"stats/{checkpoint}/{prompt}/layer{layer}.csv")
+                assert set(stats.measure) == {"logit_mean", "prob_mass"}
+            figures = results / f"figures/{checkpoint}/{prompt}"
+            names = {p.name for p in figures.iterdir()}
+            assert {
+                "figure4.svg",
+                "layer0_heads_grid.svg",
+                "layer2_frame_maps.svg",
+                "layer_comparison.svg",
+                "statistics.svg",
+            } <= names
+    summary = pd.read_csv(results / "stats/summary.csv")
+    assert {"run", "mean", "std", "count"} <= set(summary["aggregate"])
+    for name in ("checkpoints", "prompts", "passes"):
+        assert (results / f"figures/compare/{name}.svg").stat().st_size > 1000
+    log = (results / "logs/extract/demo_a/eagle/layer0.log").read_text()
+    assert "block 7/7 pass 5/5 (cache, t=0)" in log  # progress by block and pass
+    # The two demo checkpoints really differ.
+    a = xr.open_zarr(results / "frames/demo_a/eagle/layer0.zarr").logit_mean.values
+    b = xr.open_zarr(results / "frames/demo_b/eagle/layer0.zarr").logit_mean.values
+    assert not np.allclose(a, b, equal_nan=True)
+
+
+def test_second_run_does_nothing(demo_run):
+    assert planned_jobs(demo_run) == set()
+
+
+def test_changed_checkpoint_reruns_only_its_jobs(demo_run, tmp_path):
+    workdir = copy_workflow(tmp_path / "w")
+    shutil.copytree(demo_run / "results", workdir / "results")
+    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    assert planned_jobs(workdir) == set()
+    weights = workdir / "results/demo/demo_a/diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one changed byte in the last tensor
+    weights.write_bytes(bytes(data))
+    jobs = planned_jobs(workdir)
+    extracts = {w for rule, w in jobs if rule == "extract"}
+    assert extracts == {
+        f"checkpoint=demo_a, prompt={p}, layer={layer}"
+        for p in ("eagle", "harbor")
+        for layer in (0, 2)
+    }
+    assert not any("demo_b" in w for _, w in jobs)
+    assert {rule for rule, _ in jobs} == {
+        "extract",
+        "reduce",
+        "stats",
+        "summary",
+        "figures",
+        "compare_figures",
+        "all",
+    }
+
+
+def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
+    workdir = copy_workflow(tmp_path / "w")
+    shutil.copytree(demo_run / "results", workdir / "results")
+    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    edit_config(workdir, lambda c: c.update(layers=[0, 1, 2]))
+    jobs = planned_jobs(workdir)
+    assert {w for r, w in jobs if r == "extract"} == {
+        f"checkpoint={c}, prompt={p}, layer=1"
+        for c in ("demo_a", "demo_b")
+        for p in ("eagle", "harbor")
+    }
+    assert not any(
+        r in {"encode_prompt", "make_demo_checkpoint", "compare_figures"} for r, _ in jobs
+    )
+
+    edit_config(workdir, lambda c: (c.update(layers=[0, 2]), c["prompts"].update(fox="A red fox")))
+    jobs = planned_jobs(workdir)
+    assert {w for r, w in jobs if r == "encode_prompt"} == {"prompt=fox"}
+    assert all("prompt=fox" in w for r, w in jobs if r in {"extract", "reduce", "stats", "figures"})
+    assert len([r for r, _ in jobs if r == "extract"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.update(colour="red"), "colour"),
+        (
+            lambda c: c["checkpoints"].update(real={"base": "weights/missing"}),
+            "weights/missing/config.json",
+        ),
+        (lambda c: c.update(layers=[0, 7]), "layers: [7] out of range"),
+        (lambda c: c["prompts"].update(blank="   "), "instance['prompts']['blank']"),
+        (lambda c: c["figures"].update(heads=[[1, 0]]), "figures.heads: layer 1 is not captured"),
+        (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
+    ],
+    ids=[
+        "unknown-key",
+        "missing-checkpoint",
+        "layer-out-of-range",
+        "empty-prompt",
+        "figure-head",
+        "window-too-small",
+    ],
+)
+def test_bad_config_fails_before_any_job(tmp_path, change, message):
+    workdir = copy_workflow(tmp_path / "w")
+    edit_config(workdir, change)
+    result = snakemake(workdir, check=False)
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr
+    assert not (workdir / "results").exists()
