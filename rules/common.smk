@@ -9,6 +9,9 @@ from sinkscope.config import (
     demo_text_encoder_dir,
     extraction_gpus,
     extraction_settings,
+    prompt_encoder,
+    prompt_inputs,
+    prompt_text,
 )
 
 try:

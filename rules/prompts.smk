@@ -1,9 +1,10 @@
-# Prompt text -> UMT5 embeddings, once per prompt, shared by every checkpoint and layer.
+# Prompt text -> UMT5 embeddings, once per prompt, shared by every checkpoint and layer; or a
+# prompt's precomputed embeddings, checked and copied.
 
 
 rule encode_prompt:
     input:
-        config["text_encoder"]["path"],
+        unpack(lambda wildcards: prompt_inputs(config, wildcards.prompt)),
     output:
         "results/prompts/{prompt}.safetensors",
     log:
@@ -11,8 +12,8 @@ rule encode_prompt:
     conda:
         "../envs/extract.yaml"
     params:
-        text=lambda wildcards: config["prompts"][wildcards.prompt],
-        encoder=canonical(config["text_encoder"]),
+        text=lambda wildcards: prompt_text(config, wildcards.prompt),
+        encoder=lambda wildcards: prompt_encoder(config, wildcards.prompt),
         device=config["device"],
     script:
         "../scripts/encode_prompt.py"

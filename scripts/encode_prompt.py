@@ -1,16 +1,20 @@
-"""Snakemake adapter: rule encode_prompt."""
+"""Snakemake adapter: rule encode_prompt (encode the text, or import precomputed embeddings)."""
 
 from sinkscope.extract import resolve_device
 from sinkscope.logs import job_log
-from sinkscope.wan.text import encode_prompt, save_prompt_embedding
+from sinkscope.wan.text import encode_prompt, import_prompt_embedding, save_prompt_embedding
 
 with job_log(snakemake.log[0]):
+    text = snakemake.params.text
     encoder = snakemake.params.encoder
-    embeds, length = encode_prompt(
-        snakemake.params.text,
-        encoder["path"],
-        tokenizer_dir=encoder["tokenizer"],
-        text_len=encoder["text_len"],
-        device=resolve_device(snakemake.params.device),
-    )
-    save_prompt_embedding(snakemake.output[0], embeds, prompt=snakemake.params.text, length=length)
+    if encoder is None:
+        import_prompt_embedding(snakemake.input.embeddings, snakemake.output[0], prompt=text)
+    else:
+        embeds, length = encode_prompt(
+            text,
+            encoder["path"],
+            tokenizer_dir=encoder["tokenizer"],
+            text_len=encoder["text_len"],
+            device=resolve_device(snakemake.params.device),
+        )
+        save_prompt_embedding(snakemake.output[0], embeds, prompt=text, length=length)

@@ -6,16 +6,21 @@ runs, with a message naming the key or file. No torch import: parsing must stay 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from .frames import block_sizes, visible_frames
+from .wan.config import WanConfig
+from .wan.layout import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    checkpoint_files,
+    read_model_config,
+)
 
 DEMO_DIR = "results/demo"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-INDEX_NAME = WEIGHTS_NAME + ".index.json"
-DEMO_WEIGHT_FILES = ("config.json", WEIGHTS_NAME)
+DEMO_WEIGHT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 
 
 class ConfigError(ValueError):
@@ -38,31 +43,56 @@ def _is_demo_path(config: dict, path: str) -> bool:
 def checkpoint_inputs(config: dict, name: str) -> list[str]:
     """Files whose bytes define checkpoint `name`: the inputs of its extraction jobs."""
     entry = config["checkpoints"][name]
-    base = Path(entry["base"])
-    files = [base / "config.json"]
-    if "generator" in entry:
-        return [str(p) for p in (*files, Path(entry["generator"]))]
-    index = base / INDEX_NAME
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files += [index, *(base / shard for shard in shards)]
-    else:
-        files.append(base / WEIGHTS_NAME)
-    return [str(p) for p in files]
+    if _is_demo_path(config, entry["base"]):
+        return [f"{entry['base']}/{file}" for file in DEMO_WEIGHT_FILES]
+    try:
+        files = checkpoint_files(entry["base"], entry.get("generator"))
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoints.{name}: {err}") from None
+    return [str(path) for path in files]
 
 
-def _model_config(config: dict, name: str) -> dict:
+def _model_config(config: dict, name: str) -> WanConfig:
     """The DiT config of a checkpoint: its config.json, or the demo model it will be made from."""
     entry = config["checkpoints"][name]
     if _is_demo_path(config, entry["base"]):
-        from .wan.demo import DEMO_MODEL  # torch-free module-level constant
+        from .wan.demo import DEMO_MODEL
 
-        return {**DEMO_MODEL, **config["demo"].get("model", {})}
-    path = Path(entry["base"]) / "config.json"
+        return WanConfig.from_dict({**DEMO_MODEL, **config["demo"].get("model", {})}, "demo.model")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"checkpoints.{name}.base: {path} is not valid JSON ({err})") from None
+        return read_model_config(entry["base"])
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoints.{name}.base: {err}") from None
+
+
+def prompt_text(config: dict, name: str) -> str:
+    entry = config["prompts"][name]
+    return entry["text"] if isinstance(entry, dict) else entry
+
+
+def prompt_embeddings(config: dict, name: str) -> str | None:
+    """The precomputed embeddings file of a prompt, if it brings one."""
+    entry = config["prompts"][name]
+    return entry["embeddings"] if isinstance(entry, dict) else None
+
+
+def prompt_inputs(config: dict, name: str) -> dict[str, str]:
+    """Inputs of a prompt's encode job: its embeddings file, or the text encoder (and tokenizer)."""
+    embeddings = prompt_embeddings(config, name)
+    if embeddings is not None:
+        return {"embeddings": embeddings}
+    encoder = config["text_encoder"]
+    inputs = {"encoder": encoder["path"]}
+    if encoder.get("tokenizer"):
+        inputs["tokenizer"] = encoder["tokenizer"]
+    return inputs
+
+
+def prompt_encoder(config: dict, name: str) -> dict | None:
+    """The text-encoder settings a prompt's job depends on (none when it brings embeddings)."""
+    if prompt_embeddings(config, name) is not None:
+        return None
+    return canonical(config["text_encoder"])
 
 
 def canonical(value):
@@ -122,8 +152,8 @@ def check_config(config: dict) -> None:
                     )
                     raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
         model = _model_config(config, name)
-        num_layers = model.get("num_layers", 30)
-        num_heads = model.get("num_heads", 12)
+        num_layers = model.num_layers
+        num_heads = model.num_heads
         bad = [layer for layer in config["layers"] if layer >= num_layers]
         if bad:
             raise ConfigError(
@@ -136,7 +166,7 @@ def check_config(config: dict) -> None:
                     f"figures.heads: head {head} out of range for checkpoint '{name}' "
                     f"with {num_heads} heads (0-based)"
                 )
-        patch = model.get("patch_size", [1, 2, 2])
+        patch = model.patch_size
         video = config["video"]
         if video["latent_height"] % patch[1] or video["latent_width"] % patch[2]:
             raise ConfigError(
@@ -149,13 +179,7 @@ def check_config(config: dict) -> None:
             raise ConfigError(
                 f"figures.heads: layer {layer} is not captured; add it to layers {config['layers']}"
             )
-    encoder = config["text_encoder"]
-    demo_encoder = Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
-    if not demo_encoder:
-        for key in ("path", "tokenizer"):
-            path = encoder.get(key)
-            if path and not Path(path).is_dir():
-                raise ConfigError(f"text_encoder.{key}: directory not found: {path}")
+    _check_prompts(config)
     video = config["video"]
     if video["frames_per_block"] > video["num_frames"]:
         raise ConfigError(
@@ -201,6 +225,31 @@ def _capture_passes(config: dict) -> list[int]:
         return resolve_passes(config["capture"]["passes"], steps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_prompts(config: dict) -> None:
+    for name in config["prompts"]:
+        path = prompt_embeddings(config, name)
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"prompts.{name}.embeddings: file not found: {path}")
+    if all(prompt_embeddings(config, name) for name in config["prompts"]):
+        return
+    encoder = config.get("text_encoder")
+    if encoder is None:
+        raise ConfigError("text_encoder: required, since some prompts bring no embeddings")
+    if Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir():
+        return
+    path = Path(encoder["path"])
+    if not path.exists():
+        raise ConfigError(f"text_encoder.path: not found: {path}")
+    if path.is_file() and not encoder.get("tokenizer"):
+        raise ConfigError(
+            f"text_encoder.tokenizer: required with Wan's encoder file {path} "
+            "(the google/umt5-xxl tokenizer folder)"
+        )
+    tokenizer = encoder.get("tokenizer")
+    if tokenizer and not Path(tokenizer).is_dir():
+        raise ConfigError(f"text_encoder.tokenizer: directory not found: {tokenizer}")
 
 
 def _check_sampler(config: dict, name: str) -> None:

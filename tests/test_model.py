@@ -191,3 +191,32 @@ def test_same_seed_same_video_different_seed_different_video(tiny_model, tiny_te
     b = rollout(tiny_model, tiny_text, geometry=geometry, schedule=schedule, seed=5, progress=False)
     c = rollout(tiny_model, tiny_text, geometry=geometry, schedule=schedule, seed=6, progress=False)
     assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize(("schedule", "calls_per_block"), [(SELF_FORCING, 5), (CAUSVID, 4)])
+def test_model_calls_per_three_frame_block(tiny_model, tiny_text, schedule, calls_per_block):
+    geometry = Geometry(num_frames=6, frames_per_block=3, latent_height=4, latent_width=6)
+    calls, handle = _record_calls(tiny_model)
+    rollout(tiny_model, tiny_text, geometry=geometry, schedule=schedule, progress=False)
+    handle.remove()
+    assert len(calls) == 2 * calls_per_block
+    assert [c["x"].shape[2] for c in calls] == [3] * len(calls)
+    received = [float(c["t"][0, 0]) for c in calls[:calls_per_block]]
+    np.testing.assert_allclose(received, schedule.pass_timesteps(), rtol=1e-6)
+
+
+def test_precision_follows_the_reference():
+    from sinkscope.extract import model_dtype
+    from sinkscope.wan.model import timestep_sinusoid
+
+    assert model_dtype(torch.device("cuda")) == torch.bfloat16
+    assert model_dtype(torch.device("cpu")) == torch.float32
+    # The sinusoid is computed in float64: at t = 937.5 float32 angles would be off by ~1e-5.
+    embedding = timestep_sinusoid(256, torch.tensor([937.5]))
+    assert embedding.dtype == torch.float64
+    half = torch.arange(128, dtype=torch.float64)
+    want = torch.cat(
+        [torch.cos(937.5 * 10000 ** (-half / 128)), torch.sin(937.5 * 10000 ** (-half / 128))]
+    )
+    torch.testing.assert_close(embedding[0], want, rtol=0, atol=1e-12)
+    assert rope_angles(128, (1, 1, 1), 0, torch.device("cpu")).dtype == torch.complex128

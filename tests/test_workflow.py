@@ -42,9 +42,9 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
     return result
 
 
-def planned_jobs(workdir: Path) -> set[tuple[str, str]]:
+def planned_jobs(workdir: Path, *args: str) -> set[tuple[str, str]]:
     """(rule, wildcards) of every job a dry run would execute."""
-    out = snakemake(workdir, "--dry-run").stdout
+    out = snakemake(workdir, "--dry-run", *args).stdout
     jobs = set()
     for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
         match = re.match(r"(?:local)?rule (\w+):", block.strip())
@@ -156,6 +156,26 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     assert len([r for r, _ in jobs if r == "extract"]) == 4
 
 
+def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
+    workdir = copy_workflow(tmp_path / "w")
+    shutil.copytree(demo_run / "results", workdir / "results")
+    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    mine = workdir / "mine.safetensors"
+    shutil.copy(demo_run / "results/prompts/eagle.safetensors", mine)
+    text = yaml.safe_load((workdir / "config.yaml").read_text())["prompts"]["eagle"]
+    edit_config(
+        workdir,
+        lambda c: c["prompts"].update(eagle={"text": text, "embeddings": "mine.safetensors"}),
+    )
+    assert {w for r, w in planned_jobs(workdir) if r == "encode_prompt"} == {"prompt=eagle"}
+    snakemake(workdir, "results/prompts/eagle.safetensors")
+    from sinkscope.wan.text import load_prompt_embedding
+
+    got, meta = load_prompt_embedding(workdir / "results/prompts/eagle.safetensors")
+    want, _ = load_prompt_embedding(mine)
+    assert meta["prompt"] == text and np.array_equal(got.numpy(), want.numpy())
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -168,6 +188,14 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
         (lambda c: c["prompts"].update(blank="   "), "instance['prompts']['blank']"),
         (lambda c: c["figures"].update(heads=[[1, 0]]), "figures.heads: layer 1 is not captured"),
         (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
+        (
+            lambda c: c["prompts"].update(fox={"text": "fox", "embeddings": "nope.safetensors"}),
+            "prompts.fox.embeddings: file not found: nope.safetensors",
+        ),
+        (
+            lambda c: c.update(text_encoder={"path": "config.yaml"}),
+            "text_encoder.tokenizer: required with Wan's encoder file config.yaml",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -176,6 +204,8 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
         "empty-prompt",
         "figure-head",
         "window-too-small",
+        "missing-embeddings",
+        "pth-without-tokenizer",
     ],
 )
 def test_bad_config_fails_before_any_job(tmp_path, change, message):

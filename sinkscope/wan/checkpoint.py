@@ -1,9 +1,9 @@
 """Loading and saving Wan DiT weights in the formats researchers have.
 
-- Wan's original layout: a directory with `config.json` and `diffusion_pytorch_model.safetensors`
-  (or shards listed in `diffusion_pytorch_model.safetensors.index.json`), original key names.
+- Wan's original layout and diffusers' `WanTransformer3DModel` folders (see `layout.py`), one file
+  or shards; diffusers keys are renamed to the original ones.
 - Self-Forcing / CausVid: a pickled `.pt` whose `generator_ema` / `generator` entry holds the DiT
-  with keys prefixed `model.`, layered over a base directory.
+  with keys prefixed `model.`, layered over a base folder that supplies the config.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,45 +19,59 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import WanConfig
+from .layout import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    checkpoint_files,
+    is_diffusers,
+    read_config_json,
+    read_model_config,
+    weight_files,
+)
 from .model import WanModel
 
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-INDEX_NAME = WEIGHTS_NAME + ".index.json"
-CONFIG_NAME = "config.json"
+__all__ = ["CheckpointError", "checkpoint_files", "load_wan_model", "save_wan_model"]
+
+# diffusers -> original Wan names (the inverse of diffusers' convert_wan_to_diffusers table).
+# Applied in order to the key with "blocks.N." removed; first match wins.
+_DIFFUSERS_BLOCK_KEYS = [
+    (r"^attn1\.to_out\.0\.", "self_attn.o."),
+    (r"^attn1\.to_([qkv])\.", r"self_attn.\1."),
+    (r"^attn1\.norm_([qk])\.", r"self_attn.norm_\1."),
+    (r"^attn2\.to_out\.0\.", "cross_attn.o."),
+    (r"^attn2\.to_([qkv])\.", r"cross_attn.\1."),
+    (r"^attn2\.norm_([qk])\.", r"cross_attn.norm_\1."),
+    (r"^norm2\.", "norm3."),  # diffusers' affine cross-attention norm is Wan's norm3
+    (r"^ffn\.net\.0\.proj\.", "ffn.0."),
+    (r"^ffn\.net\.2\.", "ffn.2."),
+    (r"^scale_shift_table$", "modulation"),
+]
+_DIFFUSERS_TOP_KEYS = [
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."),
+]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be loaded; the message names the file and the keys."""
+def _rename(key: str, rules: list[tuple[str, str]]) -> str:
+    for pattern, replacement in rules:
+        renamed, count = re.subn(pattern, replacement, key)
+        if count:
+            return renamed
+    return key
 
 
-def base_weight_files(base_dir: str | Path) -> list[Path]:
-    """The safetensors files of an original-layout Wan directory (one file or index shards)."""
-    base_dir = Path(base_dir)
-    index = base_dir / INDEX_NAME
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(
-                f"{index}: not a safetensors index with a weight_map ({err})"
-            ) from None
-        return [base_dir / name for name in sorted(set(weight_map.values()))]
-    return [base_dir / WEIGHTS_NAME]
-
-
-def checkpoint_files(base_dir: str | Path, generator: str | Path | None = None) -> list[Path]:
-    """Every file whose bytes define a checkpoint entry: its config and the weights it loads.
-
-    A generator `.pt` replaces the base weights entirely, so then only the base config counts.
-    """
-    files = [Path(base_dir) / CONFIG_NAME]
-    if generator is not None:
-        return [*files, Path(generator)]
-    index = Path(base_dir) / INDEX_NAME
-    if index.exists():
-        files.append(index)
-    return files + base_weight_files(base_dir)
+def diffusers_to_wan_key(key: str) -> str:
+    """The original Wan name of a diffusers `WanTransformer3DModel` parameter."""
+    match = re.match(r"^(blocks\.\d+\.)(.*)$", key)
+    if match:
+        return match.group(1) + _rename(match.group(2), _DIFFUSERS_BLOCK_KEYS)
+    return _rename(key, _DIFFUSERS_TOP_KEYS)
 
 
 def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -76,7 +91,13 @@ def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor
     path = Path(path)
     key = "generator_ema" if ema else "generator"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            # A legacy (pre-zip) torch.save file: no mmap, still weights only.
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except pickle.UnpicklingError as err:
@@ -130,12 +151,12 @@ def load_wan_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> WanModel:
-    """Build the DiT from `base_dir/config.json` and load its weights straight onto `device`.
+    """Build the DiT from the folder's config.json and load its weights straight onto `device`.
 
-    With `generator`, the `.pt` file's DiT replaces the base weights (it must be complete).
+    `base_dir`: a Wan or diffusers folder (see `layout.py`). With `generator`, the `.pt` file's DiT
+    replaces the base weights (it must be complete); the folder then only supplies the config.
     """
-    base_dir = Path(base_dir)
-    cfg = WanConfig.from_json(base_dir / CONFIG_NAME)
+    cfg = read_model_config(base_dir)
     with torch.device("meta"):
         model = WanModel(cfg)
     if generator is not None:
@@ -143,8 +164,10 @@ def load_wan_model(
         source = f"{generator} ({'generator_ema' if ema else 'generator'})"
     else:
         state = {}
-        for path in base_weight_files(base_dir):
+        for path in weight_files(base_dir):
             state.update(read_safetensors(path, device))
+        if is_diffusers(read_config_json(base_dir)):
+            state = {diffusers_to_wan_key(k): v for k, v in state.items()}
         source = str(base_dir)
     _check_keys(model, state, source)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

@@ -3,21 +3,49 @@
 Wan cleans the prompt (ftfy if installed, html unescape twice, whitespace collapse), tokenizes to
 `text_len` tokens with EOS and padding, runs the UMT5 encoder with the padding mask and zeroes the
 padded rows. The result [text_len, d_model] is what the DiT's text embedding receives.
+
+The encoder is either a transformers `UMT5EncoderModel` directory (e.g. `google/umt5-xxl`) or Wan's
+own checkpoint `models_t5_umt5-xxl-enc-bf16.pth`, whose keys are renamed onto `UMT5EncoderModel`.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import pickle
 import re
 import string
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+if TYPE_CHECKING:
+    from transformers import UMT5Config, UMT5EncoderModel
+
 EMBEDDINGS_KEY = "prompt_embeds"
+
+# Fixed in Wan's umt5_xxl (not recoverable from tensor shapes).
+WAN_UMT5_MAX_DISTANCE = 128
+WAN_UMT5_LAYER_NORM_EPS = 1e-6
+
+# Per-block Wan key suffix -> transformers key suffix under `encoder.block.N.`.
+_WAN_UMT5_BLOCK_KEYS = {
+    "norm1.weight": "layer.0.layer_norm.weight",
+    "attn.q.weight": "layer.0.SelfAttention.q.weight",
+    "attn.k.weight": "layer.0.SelfAttention.k.weight",
+    "attn.v.weight": "layer.0.SelfAttention.v.weight",
+    "attn.o.weight": "layer.0.SelfAttention.o.weight",
+    "pos_embedding.embedding.weight": "layer.0.SelfAttention.relative_attention_bias.weight",
+    "norm2.weight": "layer.1.layer_norm.weight",
+    "ffn.gate.0.weight": "layer.1.DenseReluDense.wi_0.weight",
+    "ffn.fc1.weight": "layer.1.DenseReluDense.wi_1.weight",
+    "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
+}
+_WAN_BLOCK_INDEX = re.compile(r"blocks\.(\d+)\.")
 
 
 def clean_prompt(text: str) -> str:
@@ -31,21 +59,171 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
+def wan_umt5_key_map(num_layers: int) -> dict[str, tuple[str, ...]]:
+    """Wan UMT5 state-dict key -> the `UMT5EncoderModel` keys that receive the same tensor."""
+    key_map = {"token_embedding.weight": ("shared.weight", "encoder.embed_tokens.weight")}
+    for block in range(num_layers):
+        for wan_suffix, hf_suffix in _WAN_UMT5_BLOCK_KEYS.items():
+            key_map[f"blocks.{block}.{wan_suffix}"] = (f"encoder.block.{block}.{hf_suffix}",)
+    key_map["norm.weight"] = ("encoder.final_layer_norm.weight",)
+    return key_map
+
+
+def wan_umt5_config(
+    state_dict: Mapping[str, torch.Tensor], *, source: str = "state dict"
+) -> UMT5Config:
+    """The `UMT5Config` of a Wan UMT5 encoder state dict, read off its tensor shapes only
+    (so meta tensors suffice). `source` names the dict in error messages."""
+    from transformers import UMT5Config
+
+    needed = (
+        "token_embedding.weight",
+        "blocks.0.pos_embedding.embedding.weight",
+        "blocks.0.attn.q.weight",
+        "blocks.0.ffn.fc1.weight",
+    )
+    absent = [key for key in needed if key not in state_dict]
+    if absent:
+        raise ValueError(f"{source}: not a Wan UMT5 encoder state dict; missing keys {absent}")
+    not_matrices = [key for key in needed if state_dict[key].ndim != 2]
+    if not_matrices:
+        shapes = {key: list(state_dict[key].shape) for key in not_matrices}
+        raise ValueError(f"{source}: expected 2-D weights, got {shapes}")
+    vocab_size, d_model = state_dict["token_embedding.weight"].shape
+    num_buckets, num_heads = state_dict["blocks.0.pos_embedding.embedding.weight"].shape
+    inner_dim = state_dict["blocks.0.attn.q.weight"].shape[0]
+    if inner_dim % num_heads:
+        raise ValueError(
+            f"{source}: attn.q has {inner_dim} rows, not a multiple of {num_heads} heads "
+            "(heads are read from pos_embedding [num_buckets, num_heads])"
+        )
+    blocks = {int(m.group(1)) for key in state_dict if (m := _WAN_BLOCK_INDEX.match(key))}
+    return UMT5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=inner_dim // num_heads,
+        d_ff=state_dict["blocks.0.ffn.fc1.weight"].shape[0],
+        # Gaps in the block numbering surface later as missing keys.
+        num_layers=max(blocks) + 1,
+        num_heads=num_heads,
+        relative_attention_num_buckets=num_buckets,
+        relative_attention_max_distance=WAN_UMT5_MAX_DISTANCE,
+        feed_forward_proj="gated-gelu",
+        dense_act_fn="gelu_new",
+        layer_norm_epsilon=WAN_UMT5_LAYER_NORM_EPS,
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        tie_word_embeddings=False,
+    )
+
+
+def _read_wan_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        # mmap: the 11 GB XXL file is paged in as tensors are converted, not read up front.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Wan UMT5 checkpoint not found: {path}") from None
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f" (it references {found.group(1)})" if found else ""
+        raise ValueError(
+            f"{path}: refused to unpickle{what}; a Wan UMT5 checkpoint must be a plain "
+            "state dict of tensors, and code inside a pickle is never run"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise ValueError(
+            f"{path}: unreadable as a torch.save checkpoint (truncated or not a zip-format "
+            f"torch file?): {err}"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+    not_tensors = sorted(str(key) for key, value in state.items() if not torch.is_tensor(value))
+    if not_tensors:
+        raise ValueError(f"{path}: entries that are not tensors: {not_tensors[:10]}")
+    return dict(state)
+
+
+def load_wan_umt5(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> UMT5EncoderModel:
+    """transformers' `UMT5EncoderModel` holding the weights of Wan's UMT5 checkpoint
+    (`models_t5_umt5-xxl-enc-bf16.pth`), in eval mode on `device` in `dtype`."""
+    from transformers import UMT5EncoderModel
+
+    path = Path(path)
+    state = _read_wan_state_dict(path)
+    config = wan_umt5_config(state, source=str(path))
+    key_map = wan_umt5_key_map(config.num_layers)
+    missing = sorted(key_map.keys() - state.keys())
+    unexpected = sorted(state.keys() - key_map.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: does not match a {config.num_layers}-layer Wan UMT5 encoder; "
+            f"missing keys {missing}, unexpected keys {unexpected}"
+        )
+    # Meta device: no weights are allocated here; load_state_dict(assign=True) adopts the
+    # checkpoint's tensors instead of copying them into fresh ones.
+    with torch.device("meta"):
+        model = UMT5EncoderModel(config)
+    expected = model.state_dict()
+    converted = {}
+    wrong = []
+    for wan_key, hf_keys in key_map.items():
+        tensor = state[wan_key]
+        for hf_key in hf_keys:
+            want = expected[hf_key].shape
+            if tensor.shape != want or not tensor.is_floating_point():
+                wrong.append(f"{wan_key} {list(tensor.shape)} {tensor.dtype} (want {list(want)})")
+            converted[hf_key] = tensor
+    if wrong:
+        raise ValueError(f"{path}: wrong shapes or dtypes: {sorted(set(wrong))}")
+    model.load_state_dict(converted, strict=True, assign=True)
+    # assign=True gives shared and encoder.embed_tokens separate Parameters; tie them again so
+    # the (256384 x 4096) embedding is converted and held once.
+    model.set_input_embeddings(model.shared)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 @torch.no_grad()
 def encode_prompt(
     text: str,
-    encoder_dir: str | Path,
+    encoder: str | Path,
     *,
     tokenizer_dir: str | Path | None = None,
     text_len: int = 512,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, int]:
-    """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and the token count."""
+    """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and the token count
+    (EOS included). `encoder` is a transformers UMT5 directory (its tokenizer is used unless
+    `tokenizer_dir` is given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in
+    float32 on CPU and bfloat16 on CUDA, as Wan / Self-Forcing do."""
     from transformers import AutoTokenizer, UMT5EncoderModel
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or encoder_dir))
+    encoder = Path(encoder)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    encoder = UMT5EncoderModel.from_pretrained(str(encoder_dir), dtype=dtype).to(device).eval()
+    if encoder.is_dir():
+        tokenizer_dir = tokenizer_dir or encoder
+    elif encoder.is_file():
+        if tokenizer_dir is None:
+            raise ValueError(
+                f"{encoder}: a Wan UMT5 .pth holds no tokenizer; pass tokenizer_dir "
+                "(the google/umt5-xxl tokenizer directory)"
+            )
+    else:
+        raise FileNotFoundError(f"text encoder not found: {encoder}")
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {tokenizer_dir}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if encoder.is_dir():
+        model = UMT5EncoderModel.from_pretrained(str(encoder), dtype=dtype).to(device).eval()
+    else:
+        model = load_wan_umt5(encoder, device=device, dtype=dtype)
     tokens = tokenizer(
         [clean_prompt(text)],
         padding="max_length",
@@ -57,7 +235,7 @@ def encode_prompt(
     )
     ids = tokens.input_ids.to(device)
     mask = tokens.attention_mask.to(device)
-    hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0].float()
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0].float()
     length = int(mask.sum())
     hidden[length:] = 0
     return hidden.cpu(), length
@@ -78,9 +256,13 @@ def save_prompt_embedding(
     tmp.replace(path)
 
 
-def load_prompt_embedding(path: str | Path) -> tuple[torch.Tensor, dict[str, str]]:
-    """Embeddings [L, d] and metadata of a prompt file written by `save_prompt_embedding`
-    (or any safetensors file with a `prompt_embeds` tensor of shape [L, d] or [1, L, d])."""
+def load_prompt_embedding(
+    path: str | Path, *, text_dim: int | None = None
+) -> tuple[torch.Tensor, dict[str, str]]:
+    """Embeddings [L, d] (float32) and metadata of a prompt file written by
+    `save_prompt_embedding`, or of any user-supplied safetensors file with a `prompt_embeds`
+    tensor of shape [L, d] or [1, L, d]. Checks the shape, that every value is finite and, when
+    `text_dim` is given, that d equals it."""
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -92,11 +274,33 @@ def load_prompt_embedding(path: str | Path) -> tuple[torch.Tensor, dict[str, str
             metadata = handle.metadata() or {}
     except FileNotFoundError:
         raise FileNotFoundError(f"prompt embeddings not found: {path}") from None
+    except SafetensorError as err:
+        raise ValueError(f"{path}: unreadable as safetensors: {err}") from None
     if embeds.ndim == 3 and embeds.shape[0] == 1:
         embeds = embeds[0]
-    if embeds.ndim != 2:
-        raise ValueError(f"{path}: '{EMBEDDINGS_KEY}' must be [L, d], got {list(embeds.shape)}")
-    return embeds.float(), metadata
+    if embeds.ndim != 2 or 0 in embeds.shape:
+        raise ValueError(
+            f"{path}: '{EMBEDDINGS_KEY}' must be [L, d] or [1, L, d] with L, d > 0, "
+            f"got {list(embeds.shape)}"
+        )
+    if not embeds.is_floating_point():
+        raise ValueError(f"{path}: '{EMBEDDINGS_KEY}' must be floating point, got {embeds.dtype}")
+    embeds = embeds.float()
+    bad = ~torch.isfinite(embeds)
+    if bad.any():
+        rows = bad.any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(
+            f"{path}: '{EMBEDDINGS_KEY}' has {int(bad.sum())} non-finite values (rows {rows[:10]})"
+        )
+    if text_dim is not None and embeds.shape[1] != text_dim:
+        raise ValueError(
+            f"{path}: embeddings have width {embeds.shape[1]}, but text_dim={text_dim} is expected"
+        )
+    return embeds, metadata
+
+
+# The check applied to user-supplied precomputed embeddings is the loader itself.
+validate_prompt_embedding = load_prompt_embedding
 
 
 def make_demo_text_encoder(
@@ -155,3 +359,11 @@ def make_demo_text_encoder(
     encoder.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     (out_dir / "sinkscope_demo.json").write_text(json.dumps({"seed": seed}) + "\n")
+
+
+def import_prompt_embedding(src: str | Path, out: str | Path, *, prompt: str) -> None:
+    """Check a user's precomputed embeddings and store them as `encode_prompt` would."""
+    embeds, metadata = load_prompt_embedding(src)
+    nonzero = torch.nonzero(embeds.abs().sum(dim=1)).flatten()
+    length = int(metadata.get("length", int(nonzero[-1]) + 1 if len(nonzero) else 0))
+    save_prompt_embedding(out, embeds, prompt=prompt, length=length)
