@@ -665,6 +665,34 @@ def _head_panels(fig: Figure, heads: Sequence[tuple[int, int]]) -> list[Axes]:
     return _panel_grid(fig, len(heads), 3)
 
 
+def _checkpoint_series_figure(
+    datasets: Sequence[xr.Dataset],
+    heads: Sequence[tuple[int, int]],
+    draw_series: Callable[[Axes, object, str, list[xr.Dataset], int], int],
+    *,
+    measure: str,
+    frame_axis: str,
+    title: str,
+) -> Figure:
+    """One panel per (layer, head); `draw_series(ax, color, checkpoint, datasets, head)` draws one
+    checkpoint's series and returns its number of key frames."""
+    _check_options(measure, frame_axis)
+    _check_compare_inputs(datasets, heads)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
+    for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
+        runs = _runs_with_head(datasets, layer, head)
+        num_frames = 1
+        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
+            num_frames = max(num_frames, draw_series(ax, color, checkpoint, group, head))
+        _frame_axis_format(ax, num_frames, frame_axis)
+        ax.set_title(head_label(layer, head))
+        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+        ax.set_ylabel(PROFILE_LABELS[measure])
+        ax.legend(loc="best")
+    fig.suptitle(title)
+    return fig
+
+
 @_styled
 def plot_checkpoints(
     datasets: Sequence[xr.Dataset],
@@ -675,26 +703,21 @@ def plot_checkpoints(
     step: int = 0,
 ) -> Figure:
     """For each head, one line per checkpoint: the last-block profile averaged over prompts."""
-    _check_options(measure, frame_axis)
-    _check_compare_inputs(datasets, heads)
-    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
-    for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
-        runs = _runs_with_head(datasets, layer, head)
-        num_frames = 1
-        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
-            mean = _prompt_profiles(group, head, measure, step).mean("prompt", skipna=True).values
-            num_frames = max(num_frames, mean.shape[0])
-            positions = key_frame_positions(mean.shape[0], frame_axis)
-            ax.plot(
-                positions, mean, color=color, marker="o", label=f"{checkpoint} (n={len(group)})"
-            )
-        _frame_axis_format(ax, num_frames, frame_axis)
-        ax.set_title(head_label(layer, head))
-        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
-        ax.set_ylabel(PROFILE_LABELS[measure])
-        ax.legend(loc="best")
-    fig.suptitle(f"Checkpoints, mean over prompts · {_compare_title(datasets, step)}")
-    return fig
+
+    def draw_mean(ax: Axes, color, checkpoint: str, group: list[xr.Dataset], head: int) -> int:
+        mean = _prompt_profiles(group, head, measure, step).mean("prompt", skipna=True).values
+        positions = key_frame_positions(mean.shape[0], frame_axis)
+        ax.plot(positions, mean, color=color, marker="o", label=f"{checkpoint} (n={len(group)})")
+        return mean.shape[0]
+
+    return _checkpoint_series_figure(
+        datasets,
+        heads,
+        draw_mean,
+        measure=measure,
+        frame_axis=frame_axis,
+        title=f"Checkpoints, mean over prompts · {_compare_title(datasets, step)}",
+    )
 
 
 @_styled
@@ -707,40 +730,37 @@ def plot_prompts(
     step: int = 0,
 ) -> Figure:
     """For each head and checkpoint: thin line per prompt, mean over prompts, min-max band."""
-    _check_options(measure, frame_axis)
-    _check_compare_inputs(datasets, heads)
-    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
-    for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
-        runs = _runs_with_head(datasets, layer, head)
-        num_frames = 1
-        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
-            per_prompt = _prompt_profiles(group, head, measure, step)
-            positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
-            num_frames = max(num_frames, positions.shape[0])
-            for row in per_prompt.values:
-                ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6)
-            ax.fill_between(
-                positions,
-                per_prompt.min("prompt", skipna=True).values,
-                per_prompt.max("prompt", skipna=True).values,
-                color=color,
-                alpha=0.15,
-                linewidth=0,
-            )
-            ax.plot(
-                positions,
-                per_prompt.mean("prompt", skipna=True).values,
-                color=color,
-                linewidth=1.4,
-                label=f"{checkpoint}: mean, min–max of {len(group)} prompts",
-            )
-        _frame_axis_format(ax, num_frames, frame_axis)
-        ax.set_title(head_label(layer, head))
-        ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
-        ax.set_ylabel(PROFILE_LABELS[measure])
-        ax.legend(loc="best")
-    fig.suptitle(f"Prompts: thin lines single prompts · {_compare_title(datasets, step)}")
-    return fig
+
+    def draw_spread(ax: Axes, color, checkpoint: str, group: list[xr.Dataset], head: int) -> int:
+        per_prompt = _prompt_profiles(group, head, measure, step)
+        positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
+        for row in per_prompt.values:
+            ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6)
+        ax.fill_between(
+            positions,
+            per_prompt.min("prompt", skipna=True).values,
+            per_prompt.max("prompt", skipna=True).values,
+            color=color,
+            alpha=0.15,
+            linewidth=0,
+        )
+        ax.plot(
+            positions,
+            per_prompt.mean("prompt", skipna=True).values,
+            color=color,
+            linewidth=1.4,
+            label=f"{checkpoint}: mean, min–max of {len(group)} prompts",
+        )
+        return positions.shape[0]
+
+    return _checkpoint_series_figure(
+        datasets,
+        heads,
+        draw_spread,
+        measure=measure,
+        frame_axis=frame_axis,
+        title=f"Prompts: thin lines single prompts · {_compare_title(datasets, step)}",
+    )
 
 
 def _common_steps(group: Sequence[xr.Dataset]) -> list[tuple[int, str]]:

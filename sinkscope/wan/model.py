@@ -133,7 +133,9 @@ class AttentionContext:
 CaptureHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
 
-class SelfAttention(nn.Module):
+class _Attention(nn.Module):
+    """q, k, v, o projections and RMS qk-norm over the full width, as Wan's attention modules."""
+
     def __init__(self, dim: int, num_heads: int, eps: float):
         super().__init__()
         self.num_heads = num_heads
@@ -144,6 +146,11 @@ class SelfAttention(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.norm_q = RMSNorm(dim, eps)
         self.norm_k = RMSNorm(dim, eps)
+
+
+class SelfAttention(_Attention):
+    def __init__(self, dim: int, num_heads: int, eps: float):
+        super().__init__(dim, num_heads, eps)
         self.layer_index = -1
         self.capture: CaptureHook | None = None
 
@@ -171,18 +178,7 @@ class SelfAttention(nn.Module):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
-class CrossAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, eps: float):
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
-        self.o = nn.Linear(dim, dim)
-        self.norm_q = RMSNorm(dim, eps)
-        self.norm_k = RMSNorm(dim, eps)
-
+class CrossAttention(_Attention):
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         q = self.norm_q(self.q(x)).view(b, -1, self.num_heads, self.head_dim)
