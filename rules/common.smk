@@ -31,6 +31,11 @@ COMPARE_FIGURES = expand(
 )
 
 
+def token_store(path):
+    """Token stores are temp() unless capture.keep_tokens: deleted once reduced."""
+    return path if config["capture"]["keep_tokens"] else temp(path)
+
+
 def one_of(names):
     return "|".join(map(re.escape, names)) or "(?!)"
 

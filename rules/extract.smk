@@ -6,7 +6,7 @@ rule extract:
         checkpoint=lambda wildcards: checkpoint_inputs(config, wildcards.checkpoint),
         prompt="results/prompts/{prompt}.safetensors",
     output:
-        directory("results/logits/{checkpoint}/{prompt}/layer{layer}.zarr"),
+        token_store(directory("results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")),
     log:
         "results/logs/extract/{checkpoint}/{prompt}/layer{layer}.log",
     conda:

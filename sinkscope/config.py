@@ -123,7 +123,7 @@ def extraction_settings(config: dict, name: str) -> dict:
             "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
             "sampler": sampler_settings(config, name),
             "video": config["video"],
-            "capture": config["capture"],
+            "capture": {"passes": config["capture"]["passes"]},
             "seed": config["seed"],
             "device": config["device"],
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 from . import __version__
 from .capture import LogitCapture
 from .config import resolve_passes
-from .frames import block_sizes
+from .frames import block_sizes, visible_frames
 from .sampling import Geometry, Schedule, rollout
 from .store import TokenStoreWriter
 from .wan.checkpoint import checkpoint_files, load_wan_model, sha256_files
@@ -34,6 +35,39 @@ def resolve_device(spec: str = "auto") -> torch.device:
 def model_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPU as Self-Forcing runs; fp32 on CPU, where bf16 matmuls are slow and lossy."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def token_store_bytes(
+    *,
+    num_passes: int,
+    num_heads: int,
+    frame_seq_length: int,
+    sizes: Sequence[int],
+    local_attn_size: int,
+    sink_size: int,
+) -> int:
+    """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    return num_passes * num_heads * tiles * frame_seq_length**2 * 2
+
+
+def check_free_space(paths: Sequence[Path], needed: int) -> None:
+    """Fail before any compute when the filesystem of `paths` cannot hold `needed` bytes."""
+    folder = Path(paths[0]).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    log.info(
+        "will write up to %.2f GB (uncompressed) to %s; %.2f GB free",
+        needed / 1e9,
+        folder,
+        free / 1e9,
+    )
+    if free < needed:
+        raise OSError(
+            f"{folder}: {free / 1e9:.2f} GB free, but the token stores need up to "
+            f"{needed / 1e9:.2f} GB (uncompressed float16 logits of the visible tiles); free space "
+            "or capture fewer passes (capture.passes)"
+        )
 
 
 def extract(
@@ -121,6 +155,15 @@ def extract(
         "dtype": str(dtype).removeprefix("torch."),
         "config": settings,
     }
+    store_bytes = token_store_bytes(
+        num_passes=len(passes),
+        num_heads=cfg.num_heads,
+        frame_seq_length=frame_seq_length,
+        sizes=geometry.block_sizes,
+        local_attn_size=sampler["local_attn_size"],
+        sink_size=sampler["sink_size"],
+    )
+    check_free_space([Path(out) for out in outputs], store_bytes * len(outputs))
     with contextlib.ExitStack() as stack:
         writers = {}
         for layer, out in zip(layers, outputs, strict=True):

@@ -77,6 +77,10 @@ def _store_error(path: Path, message: str) -> ValueError:
 
 def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate the layout against the attributes; returns (T, F, block sizes)."""
+    if ds.attrs.get("complete") is not True:
+        raise _store_error(
+            path, "not marked complete: its extraction was killed or is still running; re-run it"
+        )
     for key in ("frame_seq_length", "num_frames", "block_sizes"):
         if key not in ds.attrs:
             raise _store_error(path, f"missing group attribute {key!r}")

@@ -162,10 +162,11 @@ class TokenStoreWriter:
         if self._error is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise RuntimeError(f"writing {self.tmp} failed") from self._error
+        # Marked only now: a store without `complete` is never accepted downstream.
+        zarr.open_group(str(self.tmp), mode="r+", zarr_format=3).attrs["complete"] = True
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # zarr notes consolidated metadata is not in the v3 spec
+            # zarr notes that consolidated metadata is not in the v3 spec
+            warnings.simplefilter("ignore")
             zarr.consolidate_metadata(str(self.tmp))
         if self.path.exists():
             shutil.rmtree(self.path)

@@ -34,6 +34,7 @@ def default_attrs(
         "logit_scale": 8**-0.5,
         "sinkscope_version": "0.1.0",
         "config": {"model": "tiny", "num_steps": len(timesteps)},
+        "complete": True,
     }
 
 

@@ -210,3 +210,81 @@ def test_one_job_per_layer_and_one_job_for_all_layers_write_the_same_bytes(tmp_p
     a0 = _store_bytes(tmp_path / "a" / "layer0.zarr")
     a1 = _store_bytes(tmp_path / "a" / "layer1.zarr")
     assert any(a0[k] != a1.get(k) for k in a0 if k.startswith("logits/c"))
+
+
+def test_token_store_bytes_at_real_geometry():
+    from sinkscope.extract import token_store_bytes
+
+    # DESIGN.md: 12 heads x sum_b 4680 x 4680 (b + 1) float16 = 14.7 GB per pass kind.
+    one_pass = token_store_bytes(
+        num_passes=1,
+        num_heads=12,
+        frame_seq_length=1560,
+        sizes=[3] * 7,
+        local_attn_size=-1,
+        sink_size=0,
+    )
+    assert one_pass == 12 * sum(4680 * 4680 * (b + 1) for b in range(7)) * 2
+    assert round(one_pass / 1e9, 1) == 14.7
+
+
+def test_extraction_fails_early_without_disk_space(tmp_path, monkeypatch):
+    import shutil
+
+    prompt, settings = _write_inputs(tmp_path)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    out = tmp_path / "out" / "layer0.zarr"
+    with pytest.raises(OSError, match=r"out: 0\.00 GB free, but the token stores need up to"):
+        extract(
+            checkpoint_name="tiny",
+            prompt_name="p",
+            prompt_embeddings=prompt,
+            layers=[0],
+            outputs=[out],
+            settings=settings,
+            progress=False,
+        )
+    assert not out.exists() and not partial_path(out).exists()
+
+
+def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text):
+    """12 frames through a 6-frame window with 2 sink frames: NaN exactly where the frame-level
+    simulation of the cache says a key frame was evicted or not yet written."""
+    from sinkscope.sampling import Geometry
+
+    geometry = Geometry(num_frames=12, frames_per_block=2, latent_height=4, latent_width=6)
+    model = make_tiny_model(seed=5)
+    passes = resolve_passes(["last", "cache"], 4)
+    store = tmp_path / "layer0.zarr"
+    writer = TokenStoreWriter(
+        store,
+        num_heads=TINY.num_heads,
+        num_frames=12,
+        frame_seq_length=T,
+        timesteps=[625.0, 0.0],
+        pass_kinds=["denoise", "cache"],
+        attrs={},
+    )
+    capture = LogitCapture({0: writer}, passes, T, TINY.head_dim)
+    model.set_capture(capture, {0})
+    with writer:
+        rollout(
+            model,
+            tiny_text,
+            geometry=geometry,
+            local_attn_size=6,
+            sink_size=2,
+            seed=0,
+            on_pass=capture.begin_pass,
+            progress=False,
+        )
+    logits = xr.open_zarr(store).logits.values
+    tile_nan = np.isnan(logits).reshape(2, TINY.num_heads, 12, T, 12, T).all(axis=(3, 5))
+    seen = visible_frames(geometry.block_sizes, 6, 2)
+    assert (tile_nan == ~seen[None, None]).all()
+    # The last block sees the 2 sink frames, the 2 frames before it, and itself: 6 frames.
+    assert list(np.flatnonzero(seen[11])) == [0, 1, 8, 9, 10, 11]
+    # Visible tiles are fully written (no stray NaN inside).
+    tiles = logits.reshape(2, TINY.num_heads, 12, T, 12, T).transpose(0, 1, 2, 4, 3, 5)
+    assert not np.isnan(tiles[:, :, seen]).any()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,9 +110,7 @@ def test_second_run_does_nothing(demo_run):
 
 
 def test_changed_checkpoint_reruns_only_its_jobs(demo_run, tmp_path):
-    workdir = copy_workflow(tmp_path / "w")
-    shutil.copytree(demo_run / "results", workdir / "results")
-    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    workdir = demo_copy(demo_run, tmp_path / "w")
     assert planned_jobs(workdir) == set()
     weights = workdir / "results/demo/demo_a/diffusion_pytorch_model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -135,9 +136,7 @@ def test_changed_checkpoint_reruns_only_its_jobs(demo_run, tmp_path):
 
 
 def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
-    workdir = copy_workflow(tmp_path / "w")
-    shutil.copytree(demo_run / "results", workdir / "results")
-    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    workdir = demo_copy(demo_run, tmp_path / "w")
     edit_config(workdir, lambda c: c.update(layers=[0, 1, 2]))
     jobs = planned_jobs(workdir)
     assert {w for r, w in jobs if r == "extract"} == {
@@ -156,10 +155,65 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     assert len([r for r, _ in jobs if r == "extract"]) == 4
 
 
-def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
-    workdir = copy_workflow(tmp_path / "w")
+def demo_copy(demo_run: Path, dest: Path) -> Path:
+    """A copy of the finished demo, results and Snakemake's metadata included."""
+    workdir = copy_workflow(dest)
     shutil.copytree(demo_run / "results", workdir / "results")
     shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
+    return workdir
+
+
+def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path):
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    # A bigger latent (96 tokens per frame) so the job is still writing when it is killed.
+    edit_config(workdir, lambda c: c["video"].update(latent_height=16, latent_width=24))
+    target = "results/logits/demo_a/eagle/layer0.zarr"
+    partial = workdir / (target + ".partial")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1", target],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+
+    def shard_written() -> bool:
+        return partial.exists() and any((partial / "logits" / "c").rglob("*"))
+
+    while not shard_written():
+        assert job.poll() is None, "the job ended before it was killed"
+        assert time.monotonic() < deadline, "no shard written within 120 s"
+        time.sleep(0.02)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    # Snakemake removed the old output before the job; nothing at the output path now.
+    assert not (workdir / target).exists()
+    from sinkscope.reduce import reduce_token_store
+
+    with pytest.raises(ValueError, match="not marked complete"):
+        reduce_token_store(partial, tmp_path / "frames.zarr")
+    assert not (tmp_path / "frames.zarr").exists()
+    snakemake(workdir, "--unlock")
+    planned = {w for r, w in planned_jobs(workdir, target) if r == "extract"}
+    assert planned == {"checkpoint=demo_a, prompt=eagle, layer=0"}
+    snakemake(workdir, target)
+    assert xr.open_zarr(workdir / target).attrs["complete"] is True
+    assert not partial.exists()
+
+
+def test_token_stores_are_temporary_unless_kept(demo_run, tmp_path):
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    edit_config(workdir, lambda c: c["capture"].update(keep_tokens=False))
+    assert planned_jobs(workdir) == set()  # keeping or not does not change any result
+    snakemake(workdir, "--delete-temp-output")
+    assert not list((workdir / "results/logits").rglob("*.zarr"))
+    assert len(list((workdir / "results/frames").rglob("layer*.zarr"))) == 8
+    assert planned_jobs(workdir) == set()
+
+
+def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
+    workdir = demo_copy(demo_run, tmp_path / "w")
     mine = workdir / "mine.safetensors"
     shutil.copy(demo_run / "results/prompts/eagle.safetensors", mine)
     text = yaml.safe_load((workdir / "config.yaml").read_text())["prompts"]["eagle"]
