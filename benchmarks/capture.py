@@ -148,7 +148,11 @@ def store_params(heads: int, passes: list[int], frame_seq_length: int) -> dict:
         "frame_seq_length": frame_seq_length,
         "timesteps": [timesteps[p] for p in passes],
         "pass_kinds": [kinds[p] for p in passes],
-        "attrs": {"benchmark": "benchmarks/capture.py"},
+        "attrs": {
+            "benchmark": "benchmarks/capture.py",
+            "num_frames": NUM_FRAMES,
+            "frame_seq_length": frame_seq_length,
+        },
     }
 
 
@@ -166,6 +170,10 @@ class CountingWriter:
         self.rows = 0
         self.tiles = 0
         self.wait_seconds = 0.0
+
+    def __getattr__(self, name: str):
+        # Everything else LogitCapture uses (write_pooled, tokens, ...) goes to the writer.
+        return getattr(self.writer, name)
 
     def write_row(self, step, head, query_frame, tile, key_frames) -> None:
         self.rows += 1
@@ -364,7 +372,7 @@ def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain
         f"(CPU {capture['cpu_seconds']:.0f} s; rollout returned at "
         f"{capture['rollout_seconds']:.1f} s, close {capture['close_seconds']:.1f} s, "
         f"model thread blocked on the full queue {capture['queue_wait_seconds']:.1f} s)",
-        f"   ratio capture / plain        {capture['seconds'] / rollout['seconds']:8.2f} x",
+        f"   ratio capture / rollout only {capture['seconds'] / rollout['seconds']:8.2f} x",
         "2. write throughput (logical bytes / s)",
         f"   capture run                  {mbps(capture_tput):>10}  "
         f"({gb(logical)} in {capture['seconds']:.1f} s)",
@@ -394,7 +402,8 @@ def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain
         f"logical bytes written           {gb(logical)}   target >= "
         f"{gb(LOGICAL_BYTES_TARGET)}  {verdict(logical >= LOGICAL_BYTES_TARGET)}",
         f"(extraction time ratio {capture['seconds'] / rollout['seconds']:.2f} x, "
-        f"compression {logical / apparent:.2f} x, {gb(apparent)} on disk)",
+        f"compression {logical / apparent:.2f} x, {gb(apparent)} on disk; 1-minute load average "
+        f"{args.load_before:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs)",
     ]
     print("\n".join(lines), flush=True)
 
@@ -430,10 +439,15 @@ def main(argv: list[str] | None = None) -> None:
         args.result.write_text(json.dumps(MODES[args.mode](args)))
         return
 
+    from sinkscope.config import resolve_passes
+    from sinkscope.sampling import SELF_FORCING
+
+    resolve_passes(pass_spec(args.passes), len(SELF_FORCING.steps))  # a bad spec fails here
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="sinkscope-bench-capture-", dir=args.workdir))
-    print(f"workdir {workdir}", flush=True)
+    args.load_before = os.getloadavg()[0]
+    print(f"workdir {workdir}; load average {args.load_before:.2f}", flush=True)
     capture_store = workdir / "capture.zarr"
     plain_store = workdir / "plain.zarr"
     try:

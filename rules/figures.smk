@@ -1,4 +1,16 @@
-# Frame datasets -> SVG figures per run and across runs.
+# Frame datasets -> SVG figures per run and across runs. Every figure is marked for the
+# Snakemake report (`snakemake --report report.html`): category "Figures", one subcategory per
+# run and one across runs, labels `figure` and `layer` (1-based, as the figures count), and the
+# caption of its kind from report/.
+
+LAYER_FIGURES = ["heads_grid", "heads_heatmap", "frame_maps"]
+RUN_FIGURES = ["layer_comparison", "statistics"]
+COMPARE_KINDS = ["checkpoints", "prompts", "passes"]
+RUN_SUBCATEGORY = "{checkpoint} / {prompt}"
+# `layer` labels of the figures that span layers: all captured ones, or those of figures.heads.
+HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
+ALL_LAYERS_LABEL = ", ".join(f"L{layer + 1}" for layer in LAYERS)
+HEAD_LAYERS_LABEL = ", ".join(f"L{layer + 1}" for layer in HEAD_LAYERS)
 
 
 rule figures:
@@ -8,18 +20,36 @@ rule figures:
             layer=LAYERS,
         ),
     output:
-        f"results/figures/{{checkpoint}}/{{prompt}}/figure4.{FIGURE_FORMAT}",
-        expand(
-            "results/figures/{{checkpoint}}/{{prompt}}/layer{layer}_{kind}.{fmt}",
-            layer=LAYERS,
-            kind=["heads_grid", "heads_heatmap", "frame_maps"],
-            fmt=FIGURE_FORMAT,
+        # figure4 first: the script writes into the folder of output[0].
+        report(
+            f"results/figures/{{checkpoint}}/{{prompt}}/figure4.{FIGURE_FORMAT}",
+            caption="../report/figure4.rst",
+            category="Figures",
+            subcategory=RUN_SUBCATEGORY,
+            labels={"figure": "figure4", "layer": HEAD_LAYERS_LABEL},
         ),
-        expand(
-            "results/figures/{{checkpoint}}/{{prompt}}/{kind}.{fmt}",
-            kind=["layer_comparison", "statistics"],
-            fmt=FIGURE_FORMAT,
-        ),
+        # One report() per file, so that each carries its own layer label.
+        [
+            report(
+                f"results/figures/{{checkpoint}}/{{prompt}}/layer{layer}_{kind}.{FIGURE_FORMAT}",
+                caption=f"../report/{kind}.rst",
+                category="Figures",
+                subcategory=RUN_SUBCATEGORY,
+                labels={"figure": kind.replace("_", " "), "layer": f"L{layer + 1}"},
+            )
+            for layer in LAYERS
+            for kind in LAYER_FIGURES
+        ],
+        [
+            report(
+                f"results/figures/{{checkpoint}}/{{prompt}}/{kind}.{FIGURE_FORMAT}",
+                caption=f"../report/{kind}.rst",
+                category="Figures",
+                subcategory=RUN_SUBCATEGORY,
+                labels={"figure": kind.replace("_", " "), "layer": ALL_LAYERS_LABEL},
+            )
+            for kind in RUN_FIGURES
+        ],
     log:
         "results/logs/figures/{checkpoint}/{prompt}.log",
     conda:
@@ -36,10 +66,20 @@ rule compare_figures:
             "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
-            layer=sorted({layer for layer, _ in config["figures"]["heads"]}),
+            layer=HEAD_LAYERS,
         ),
     output:
-        COMPARE_FIGURES,
+        # The files of COMPARE_FIGURES (rule all), each with its caption.
+        [
+            report(
+                f"results/figures/compare/{kind}.{FIGURE_FORMAT}",
+                caption=f"../report/compare_{kind}.rst",
+                category="Figures",
+                subcategory="across checkpoints and prompts",
+                labels={"figure": kind, "layer": HEAD_LAYERS_LABEL},
+            )
+            for kind in COMPARE_KINDS
+        ],
     log:
         "results/logs/figures/compare.log",
     conda:

@@ -1,4 +1,4 @@
-# Frame datasets -> tidy statistics (Contract 3).
+# Frame datasets -> tidy statistics (Contract 3); the summary table goes into the report.
 
 
 rule stats:
@@ -11,7 +11,7 @@ rule stats:
     conda:
         "../envs/analysis.yaml"
     params:
-        query=config["stats"]["query"],
+        stats=canonical(config["stats"]),
     script:
         "../scripts/stats.py"
 
@@ -25,10 +25,32 @@ rule summary:
             layer=LAYERS,
         ),
     output:
-        "results/stats/summary.csv",
+        summary=report(
+            "results/stats/summary.csv",
+            caption="../report/summary.rst",
+            category="Sink statistics",
+            subcategory="all runs",
+            labels={"table": "summary (csv)"},
+        ),
+        summary_table=report(
+            "results/stats/summary.html",
+            caption="../report/summary.rst",
+            category="Sink statistics",
+            subcategory="all runs",
+            labels={"table": "summary"},
+        ),
+        sink_rate=report(
+            "results/stats/sink_rate.csv",
+            caption="../report/sink_rate.rst",
+            category="Sink statistics",
+            subcategory="all runs",
+            labels={"table": "sink rate"},
+        ),
     log:
         "results/logs/summary.log",
     conda:
         "../envs/analysis.yaml"
+    params:
+        sink_threshold=config["stats"]["sink_threshold"],
     script:
         "../scripts/summary.py"

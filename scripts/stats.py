@@ -4,4 +4,11 @@ from sinkscope.logs import job_log
 from sinkscope.stats import write_stats
 
 with job_log(snakemake.log[0]):
-    write_stats(snakemake.input[0], snakemake.output[0], query=snakemake.params.query)
+    options = snakemake.params.stats
+    write_stats(
+        snakemake.input[0],
+        snakemake.output[0],
+        query=options["query"],
+        sink_threshold=options["sink_threshold"],
+        recent_threshold=options["recent_threshold"],
+    )

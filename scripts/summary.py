@@ -4,4 +4,10 @@ from sinkscope.logs import job_log
 from sinkscope.stats import write_summary
 
 with job_log(snakemake.log[0]):
-    write_summary(list(snakemake.input), snakemake.output[0])
+    write_summary(
+        list(snakemake.input),
+        snakemake.output.summary,
+        snakemake.output.sink_rate,
+        html_table=snakemake.output.summary_table,
+        sink_threshold=snakemake.params.sink_threshold,
+    )

@@ -1,7 +1,8 @@
 """Which layers and passes are captured, and the logits tiles computed next to the real attention.
 
 The attention output keeps its fused kernel; the capture recomputes q.k / sqrt(head_dim) one query
-frame and one head at a time (T x visible keys), so the full matrix never exists in memory.
+frame and one head at a time (T x visible keys), so the full matrix never exists in memory. It
+also records frame-level mean logits from mean-pooled q and k, which need no token pairs at all.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ class LogitCapture:
         # Keys in ascending absolute frame order, so the store row is filled by contiguous runs.
         k_sorted = k[0].unflatten(0, (-1, t))[order].flatten(0, 1)
         first_frame = query_start // t
+        # Mean over all token pairs of q.k = (mean q).(mean k): frame-level logits without pairs.
+        q_pooled = q[0].float().unflatten(0, (-1, t)).mean(dim=1)
+        k_pooled = k_sorted.float().unflatten(0, (-1, t)).mean(dim=1)
+        pooled = torch.einsum("qhd,khd->hqk", q_pooled.double(), k_pooled.double()) * self.scale
+        writer.write_pooled(self.step, first_frame, key_frames, pooled.float().cpu().numpy())
+        if not writer.tokens:
+            return
         for head in range(q.shape[2]):
             k_head = k_sorted[:, head].float()
             for frame in range(q.shape[1] // t):

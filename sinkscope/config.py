@@ -123,7 +123,7 @@ def extraction_settings(config: dict, name: str) -> dict:
             "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
             "sampler": sampler_settings(config, name),
             "video": config["video"],
-            "capture": {"passes": config["capture"]["passes"]},
+            "capture": {k: config["capture"][k] for k in ("passes", "tokens")},
             "seed": config["seed"],
             "device": config["device"],
         }
@@ -185,6 +185,11 @@ def check_config(config: dict) -> None:
         raise ConfigError(
             f"video.frames_per_block={video['frames_per_block']} exceeds "
             f"video.num_frames={video['num_frames']}"
+        )
+    if not config["capture"]["tokens"] and config["figures"]["measure"] != "logits":
+        raise ConfigError(
+            "figures.measure: probabilities need the token logits; with capture.tokens: false "
+            "only frame-level mean logits exist (measure: logits)"
         )
     if config["figures"]["step"] >= len(_capture_passes(config)):
         raise ConfigError(

@@ -155,7 +155,8 @@ def extract(
         "dtype": str(dtype).removeprefix("torch."),
         "config": settings,
     }
-    store_bytes = token_store_bytes(
+    tokens = settings["capture"].get("tokens", True)
+    store_bytes = tokens * token_store_bytes(
         num_passes=len(passes),
         num_heads=cfg.num_heads,
         frame_seq_length=frame_seq_length,
@@ -174,7 +175,8 @@ def extract(
                 frame_seq_length=frame_seq_length,
                 timesteps=[all_timesteps[p] for p in passes],
                 pass_kinds=[all_kinds[p] for p in passes],
-                attrs={**attrs, "layer": layer},
+                attrs={**attrs, "layer": layer, "tokens": tokens},
+                tokens=tokens,
             )
             writers[layer] = stack.enter_context(writer)
         capture = LogitCapture(writers, passes, frame_seq_length, cfg.head_dim)

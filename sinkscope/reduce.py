@@ -84,14 +84,18 @@ def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]
     for key in ("frame_seq_length", "num_frames", "block_sizes"):
         if key not in ds.attrs:
             raise _store_error(path, f"missing group attribute {key!r}")
-    for name in ("logits", "timestep", "pass_kind"):
+    for name in ("timestep", "pass_kind"):
         if name not in ds.variables:
             raise _store_error(path, f"missing array {name!r}")
+    if "logits" not in ds.variables and "logit_mean_pooled" not in ds.variables:
+        raise _store_error(path, "has neither 'logits' nor 'logit_mean_pooled'")
     tokens_per_frame = int(ds.attrs["frame_seq_length"])
     num_frames = int(ds.attrs["num_frames"])
     sizes = [int(size) for size in ds.attrs["block_sizes"]]
     if sum(sizes) != num_frames:
         raise _store_error(path, f"block_sizes {sizes} do not add up to num_frames={num_frames}")
+    if "logits" not in ds.variables:
+        return tokens_per_frame, num_frames, sizes  # capture.tokens: false
     logits = ds["logits"]
     if set(logits.dims) != set(LOGIT_DIMS):
         raise _store_error(path, f"logits has dims {logits.dims}, expected {LOGIT_DIMS}")
@@ -137,33 +141,19 @@ def reduce_token_store(
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
-    """The frame dataset of an opened token store, computed in one threaded dask pass."""
+    """The frame dataset of an opened token store."""
     tokens_per_frame, num_frames, sizes = _check_token_store(token_store, ds)
-    # One dask chunk = one query frame's rows of one head and pass, i.e. one shard of the store.
-    # Only the logits are chunked: chunking the 1-D coordinates per step would split their storage.
-    row_chunks = {"step": 1, "head": 1, "query_token": tokens_per_frame, "key_token": -1}
-    logits = ds["logits"].transpose(*LOGIT_DIMS).chunk(row_chunks).data
-    num_steps, num_heads = logits.shape[:2]
-    reduced = da.map_blocks(
-        _reduce_block,
-        logits,
-        num_frames,
-        chunks=(
-            (1,) * num_steps,
-            (1,) * num_heads,
-            (1,) * num_frames,
-            (2 * num_frames + 1,),
-        ),
-        dtype=np.float32,
-        meta=np.empty((0, 0, 0, 0), dtype=np.float32),
-    )
-    logit_mean, prob_mass, entropy = dask.compute(
-        reduced[..., :num_frames],
-        reduced[..., num_frames : 2 * num_frames],
-        reduced[..., 2 * num_frames],
-        scheduler="threads",
-        num_workers=threads or os.cpu_count(),
-    )
+    pooled = ds["logit_mean_pooled"].values if "logit_mean_pooled" in ds.variables else None
+    if "logits" in ds.variables:
+        logit_mean, prob_mass, entropy = _reduce_logits(ds, tokens_per_frame, num_frames, threads)
+        if pooled is not None:
+            _cross_check(token_store, logit_mean, pooled)
+    else:
+        # capture.tokens: false. Exact frame-level logits; probabilities need the token pairs.
+        logit_mean = pooled.astype(np.float32)
+        prob_mass = np.full_like(logit_mean, np.nan)
+        entropy = np.full(logit_mean.shape[:3], np.nan, dtype=np.float32)
+    num_steps, num_heads = logit_mean.shape[:2]
 
     frames = np.arange(num_frames)
     attrs = dict(ds.attrs)
@@ -187,6 +177,50 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
         },
         attrs=attrs,
     )
+
+
+def _reduce_logits(
+    ds: xr.Dataset, tokens_per_frame: int, num_frames: int, threads: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """logit_mean, prob_mass and entropy from the token logits, in one threaded dask pass."""
+    # One dask chunk = one query frame's rows of one head and pass, i.e. one shard of the store.
+    # Only the logits are chunked: chunking the 1-D coordinates per step would split their storage.
+    row_chunks = {"step": 1, "head": 1, "query_token": tokens_per_frame, "key_token": -1}
+    logits = ds["logits"].transpose(*LOGIT_DIMS).chunk(row_chunks).data
+    num_steps, num_heads = logits.shape[:2]
+    reduced = da.map_blocks(
+        _reduce_block,
+        logits,
+        num_frames,
+        chunks=((1,) * num_steps, (1,) * num_heads, (1,) * num_frames, (2 * num_frames + 1,)),
+        dtype=np.float32,
+        meta=np.empty((0, 0, 0, 0), dtype=np.float32),
+    )
+    return dask.compute(
+        reduced[..., :num_frames],
+        reduced[..., num_frames : 2 * num_frames],
+        reduced[..., 2 * num_frames],
+        scheduler="threads",
+        num_workers=threads or os.cpu_count(),
+    )
+
+
+def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None:
+    """The token reduction must equal the pooled (mean q).(mean k) up to float16 rounding."""
+    seen = ~np.isnan(logit_mean)
+    if not np.array_equal(seen, ~np.isnan(pooled)):
+        raise _store_error(path, "logits and logit_mean_pooled disagree on the visible tiles")
+    if not seen.any():
+        return
+    difference = float(np.abs(logit_mean[seen] - pooled[seen]).max())
+    # float16 keeps 11 significant bits: a mean of rounded logits is off by <= 2^-11 of their size.
+    tolerance = 2.0**-10 * (1.0 + float(np.abs(pooled[seen]).max()))
+    if difference > tolerance:
+        raise _store_error(
+            path,
+            f"logit_mean from the token logits differs from the pooled q.k by {difference:.3g} "
+            f"(> {tolerance:.3g}): the stored logits are not what the model computed",
+        )
 
 
 def _write_atomically(result: xr.Dataset, out: Path) -> None:

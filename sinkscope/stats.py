@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,7 +26,9 @@ STAT_COLUMNS = [
     "uniform_multiple",
     "recent_mass",
     "entropy",
+    "importance",
 ]
+HEAD_CLASSES = ("sink", "recent", "spread")
 COLUMNS = [
     "checkpoint",
     "prompt",
@@ -37,6 +40,7 @@ COLUMNS = [
     "measure",
     "query",
     *STAT_COLUMNS,
+    "head_class",
 ]
 GROUP_COLUMNS = ["checkpoint", "layer", "head", "step", "timestep", "pass_kind", "measure", "query"]
 
@@ -97,8 +101,36 @@ def _scalar(ds: xr.Dataset, name: str):
     return str(value) if isinstance(value, str) else value
 
 
-def frame_statistics(ds: xr.Dataset, query: str = "last_block") -> pd.DataFrame:
-    """One row per (head, step, measure, query set) with the Contract 3 columns."""
+def first_frame_importance(ds: xr.Dataset, measure: str = "prob_mass") -> np.ndarray:
+    """Gu et al.'s importance of key frame 0, [step, head]: the mean of `measure` on frame 0 over
+    the query frames that can see it (NaN rows, which cannot, are left out)."""
+    first = ds[measure].isel(key_frame=0).transpose("step", "head", "query_frame").values
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all NaN: no probabilities captured
+        return np.nanmean(first.astype(float), axis=2)
+
+
+def head_class(first: float, recent_mass: float, sink_threshold: float, recent_threshold: float):
+    """sink: mass on the first frame >= sink_threshold; else recent: mass on the own block >=
+    recent_threshold; else spread. Empty when there are no probabilities."""
+    if np.isnan(first) or np.isnan(recent_mass):
+        return ""
+    if first >= sink_threshold:
+        return "sink"
+    return "recent" if recent_mass >= recent_threshold else "spread"
+
+
+def frame_statistics(
+    ds: xr.Dataset,
+    query: str = "last_block",
+    *,
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
+) -> pd.DataFrame:
+    """One row per (head, step, measure, query set) with the Contract 3 columns.
+
+    `importance` and `head_class` are defined on probabilities and left empty for logits.
+    """
     sets = query_sets(ds["block"].values, query)
     key_frames = ds["key_frame"].values
     measures = {
@@ -110,6 +142,7 @@ def frame_statistics(ds: xr.Dataset, query: str = "last_block") -> pd.DataFrame:
     timesteps = ds["timestep"].values
     pass_kinds = [str(kind) for kind in ds["pass_kind"].values]
     provenance = {name: _scalar(ds, name) for name in ("checkpoint", "prompt", "layer")}
+    importance = first_frame_importance(ds)
 
     rows = []
     for h, head in enumerate(ds["head"].values):
@@ -121,6 +154,15 @@ def frame_statistics(ds: xr.Dataset, query: str = "last_block") -> pd.DataFrame:
                     profile = measures[measure][s, h, rows_of_set].mean(axis=0)
                     stats = profile_statistics(profile, key_frames, own_frames, measure)
                     stats["entropy"] = entropy[s, h, rows_of_set].mean()
+                    is_mass = measure == "prob_mass"
+                    stats["importance"] = importance[s, h] if is_mass else np.nan
+                    stats["head_class"] = (
+                        head_class(
+                            stats["first"], stats["recent_mass"], sink_threshold, recent_threshold
+                        )
+                        if is_mass
+                        else ""
+                    )
                     rows.append(
                         {
                             **provenance,
@@ -138,23 +180,37 @@ def frame_statistics(ds: xr.Dataset, query: str = "last_block") -> pd.DataFrame:
     return table
 
 
-def _write_csv_atomically(table: pd.DataFrame, csv_path: str | os.PathLike) -> None:
-    csv_path = Path(csv_path)
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = csv_path.with_name(csv_path.name + ".tmp")
+def _write_text_atomically(text: str, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        table.to_csv(tmp, index=False)
-        os.replace(tmp, csv_path)
+        tmp.write_text(text)
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
+def _write_csv_atomically(table: pd.DataFrame, csv_path: str | os.PathLike) -> None:
+    _write_text_atomically(table.to_csv(index=False), csv_path)
+
+
 def write_stats(
-    frame_store: str | os.PathLike, csv_path: str | os.PathLike, query: str = "last_block"
+    frame_store: str | os.PathLike,
+    csv_path: str | os.PathLike,
+    query: str = "last_block",
+    *,
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
 ) -> None:
     """Statistics of one frame dataset, written atomically as CSV."""
-    table = frame_statistics(open_frame_dataset(frame_store), query=query)
+    table = frame_statistics(
+        open_frame_dataset(frame_store),
+        query=query,
+        sink_threshold=sink_threshold,
+        recent_threshold=recent_threshold,
+    )
     _write_csv_atomically(table, csv_path)
 
 
@@ -177,12 +233,46 @@ def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[[*COLUMNS, "aggregate"]]
 
 
-def write_summary(csv_paths: Iterable[str | os.PathLike], out_csv: str | os.PathLike) -> None:
-    """Stack per-run statistics CSVs, add across-prompt aggregates, write atomically."""
+def write_summary(
+    csv_paths: Iterable[str | os.PathLike],
+    out_csv: str | os.PathLike,
+    sink_rate_csv: str | os.PathLike | None = None,
+    *,
+    html_table: str | os.PathLike | None = None,
+    sink_threshold: float = 0.3,
+) -> None:
+    """Stack per-run statistics CSVs, add across-prompt aggregates, write atomically; optionally
+    the sink rate of every run, layer and step as a second table, and the across-prompt means
+    as an HTML table (for the report)."""
     paths = list(csv_paths)
     if not paths:
         raise ValueError("write_summary needs at least one statistics CSV")
-    _write_csv_atomically(summarize(pd.read_csv(path) for path in paths), out_csv)
+    tables = [pd.read_csv(path, keep_default_na=False, na_values=[""]) for path in paths]
+    summary = summarize(tables)
+    _write_csv_atomically(summary, out_csv)
+    if html_table is not None:
+        means = summary[summary["aggregate"] == "mean"].drop(columns=["prompt", "aggregate"])
+        _write_text_atomically(means.to_html(index=False, float_format="%.4g"), html_table)
+    if sink_rate_csv is not None:
+        _write_csv_atomically(sink_rates(pd.concat(tables), sink_threshold), sink_rate_csv)
+
+
+def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:
+    """Gu et al.'s sink rate per (checkpoint, prompt, layer, step): the share of heads whose
+    importance of frame 0 exceeds `threshold` (from the `importance` column of the statistics)."""
+    heads = stats[stats["measure"] == "prob_mass"].drop_duplicates(
+        ["checkpoint", "prompt", "layer", "step", "head"]
+    )
+    keys = ["checkpoint", "prompt", "layer", "step", "timestep", "pass_kind"]
+    grouped = heads.assign(is_sink=heads["importance"] > threshold).groupby(keys, sort=True)
+    table = grouped.agg(
+        sink_heads=("is_sink", "sum"),
+        num_heads=("head", "nunique"),
+        measured=("importance", "count"),
+    ).reset_index()
+    table["sink_rate"] = (table["sink_heads"] / table["num_heads"]).where(table["measured"] > 0)
+    table["threshold"] = threshold
+    return table.drop(columns="measured")
 
 
 def sink_rate(ds: xr.Dataset, measure: str = "prob_mass", threshold: float = 0.3) -> pd.DataFrame:
@@ -191,16 +281,14 @@ def sink_rate(ds: xr.Dataset, measure: str = "prob_mass", threshold: float = 0.3
     A head's importance of frame 0 is the mean of `measure` on key frame 0 over the query frames
     that see it; the head counts as a sink head when that exceeds `threshold`.
     """
-    first = ds[measure].isel(key_frame=0).transpose("step", "head", "query_frame")
-    importance = first.mean("query_frame", skipna=True)
-    sink_heads = (importance > threshold).sum("head")
+    sink_heads = (first_frame_importance(ds, measure) > threshold).sum(axis=1)
     return pd.DataFrame(
         {
             "timestep": ds["timestep"].values,
             "pass_kind": [str(kind) for kind in ds["pass_kind"].values],
-            "sink_heads": sink_heads.values.astype(int),
+            "sink_heads": sink_heads.astype(int),
             "num_heads": ds.sizes["head"],
-            "sink_rate": sink_heads.values / ds.sizes["head"],
+            "sink_rate": sink_heads / ds.sizes["head"],
         },
         index=pd.Index(ds["step"].values, name="step"),
     )

@@ -19,6 +19,9 @@ import zarr
 from zarr.codecs import BloscCodec
 
 LOGITS_DIMS = ("step", "head", "query_token", "key_token")
+# Frame-level mean logits from pooled q and k; own dimension names, since `query_frame` and
+# `key_frame` already name the per-token frame coordinates.
+POOLED_DIMS = ("step", "head", "pooled_query_frame", "pooled_key_frame")
 PARTIAL_SUFFIX = ".partial"
 # zarr's default pipeline runs every inner chunk of a shard through the codecs on its own; batching
 # them halves write and read time when tiles are small (measured on the demo's 24 x 24 tiles).
@@ -72,6 +75,7 @@ class TokenStoreWriter:
         timesteps: Sequence[float],
         pass_kinds: Sequence[str],
         attrs: dict,
+        tokens: bool = True,
         max_pending_rows: int = 4,
     ):
         tune_zarr()
@@ -86,18 +90,23 @@ class TokenStoreWriter:
         group.attrs.update(attrs)
         steps = len(timesteps)
         t = frame_seq_length
-        self.logits = group.create_array(
-            "logits",
-            shape=(steps, num_heads, self.num_tokens, self.num_tokens),
-            chunks=(1, 1, t, t),
-            shards=(1, 1, t, self.num_tokens),
-            dtype="float16",
-            fill_value=np.nan,
-            compressors=logits_codec(),
-            dimension_names=LOGITS_DIMS,
-            attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
-            config={"write_empty_chunks": False},
-        )
+        self.tokens = tokens
+        if tokens:
+            self.logits = group.create_array(
+                "logits",
+                shape=(steps, num_heads, self.num_tokens, self.num_tokens),
+                chunks=(1, 1, t, t),
+                shards=(1, 1, t, self.num_tokens),
+                dtype="float16",
+                fill_value=np.nan,
+                compressors=logits_codec(),
+                dimension_names=LOGITS_DIMS,
+                attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
+                config={"write_empty_chunks": False},
+            )
+        # Small (steps x heads x F x F): kept in memory, written whole at close.
+        self.pooled = np.full((steps, num_heads, num_frames, num_frames), np.nan, np.float32)
+        self._group = group
         token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), t)
         for name, dims, values in (
             ("timestep", ("step",), np.asarray(timesteps, dtype=np.float32)),
@@ -152,6 +161,14 @@ class TokenStoreWriter:
             raise RuntimeError(f"writing {self.tmp} failed") from self._error
         self._queue.put((step, head, query_frame, tile, key_frames))
 
+    def write_pooled(
+        self, step: int, first_query_frame: int, key_frames: np.ndarray, values: np.ndarray
+    ) -> None:
+        """Frame-level mean logits [heads, query frames, len(key_frames)] of one pass call."""
+        queries = slice(first_query_frame, first_query_frame + values.shape[1])
+        # Index through views: mixing an int, a slice and an array would reorder the axes.
+        self.pooled[step][:, queries][:, :, key_frames] = values
+
     def close(self) -> Path:
         """Finish writing, consolidate metadata and move the store to its final name."""
         if self._closed:
@@ -162,8 +179,16 @@ class TokenStoreWriter:
         if self._error is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise RuntimeError(f"writing {self.tmp} failed") from self._error
+        pooled = self._group.create_array(
+            "logit_mean_pooled",
+            shape=self.pooled.shape,
+            dtype="float32",
+            fill_value=np.nan,
+            dimension_names=POOLED_DIMS,
+        )
+        pooled[:] = self.pooled
         # Marked only now: a store without `complete` is never accepted downstream.
-        zarr.open_group(str(self.tmp), mode="r+", zarr_format=3).attrs["complete"] = True
+        self._group.attrs["complete"] = True
         with warnings.catch_warnings():
             # zarr notes that consolidated metadata is not in the v3 spec
             warnings.simplefilter("ignore")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -24,9 +25,11 @@ from .test_model import reference_rope
 
 T = TINY.tokens_per_frame(4, 6)
 GRID_HW = (2, 3)
+# What the reducer needs to know about a store (extract.py writes the full set).
+STORE_ATTRS = {"frame_seq_length": T, "num_frames": 6, "block_sizes": [2, 2, 2], "layer": 1}
 
 
-def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=0):
+def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=0, tokens=True):
     """Roll out with the capture of one layer, recording that layer's pre-RoPE q and k."""
     records = []
     attn = model.blocks[layer].self_attn
@@ -42,7 +45,8 @@ def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=
         frame_seq_length=T,
         timesteps=SELF_FORCING.pass_timesteps(),
         pass_kinds=SELF_FORCING.pass_kinds(),
-        attrs={},
+        attrs=STORE_ATTRS,
+        tokens=tokens,
     )
     capture = LogitCapture({layer: writer}, passes, T, TINY.head_dim)
     model.set_capture(capture, {layer})
@@ -288,3 +292,62 @@ def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text)
     # Visible tiles are fully written (no stray NaN inside).
     tiles = logits.reshape(2, TINY.num_heads, 12, T, 12, T).transpose(0, 1, 2, 4, 3, 5)
     assert not np.isnan(tiles[:, :, seen]).any()
+
+
+def test_pooled_frame_logits_equal_the_token_reduction(tmp_path, tiny_model, tiny_text):
+    from sinkscope.reduce import reduce_token_store
+
+    store = tmp_path / "layer1.zarr"
+    _capture_rollout(tiny_model, tiny_text, store, 1, local_attn_size=4, sink_size=2)
+    tokens = xr.open_zarr(store)
+    pooled = tokens.logit_mean_pooled.values
+    # Brute force over the stored float16 logits, in float64.
+    stored = tokens.logits.values.astype(np.float64).reshape(5, TINY.num_heads, 6, T, 6, T)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN tiles: the unseen ones
+        brute = np.nanmean(stored, axis=(3, 5))
+    np.testing.assert_array_equal(np.isnan(brute), np.isnan(pooled))
+    seen = ~np.isnan(pooled)
+    rounding = 2.0**-11 * np.abs(stored[~np.isnan(stored)]).max()
+    assert np.abs(brute[seen] - pooled[seen]).max() <= rounding
+    reduce_token_store(store, tmp_path / "frames.zarr")  # cross-checks internally
+    frames = xr.open_zarr(tmp_path / "frames.zarr")
+    np.testing.assert_allclose(frames.logit_mean.values, pooled, atol=rounding, equal_nan=True)
+
+
+def test_reducer_refuses_logits_that_disagree_with_the_pooled_ones(tmp_path, tiny_model, tiny_text):
+    import zarr
+
+    from sinkscope.reduce import reduce_token_store
+
+    store = tmp_path / "layer1.zarr"
+    _capture_rollout(tiny_model, tiny_text, store, 1)
+    logits = zarr.open_array(str(store / "logits"), mode="r+")
+    tile = logits[4, 0, 5 * T : 6 * T, 0:T]
+    logits[4, 0, 5 * T : 6 * T, 0:T] = tile + np.float16(0.5)  # one tile of one head, shifted
+    with pytest.raises(ValueError, match="differs from the pooled"):
+        reduce_token_store(store, tmp_path / "frames.zarr")
+    assert not (tmp_path / "frames.zarr").exists()
+
+
+def test_frame_logits_without_tokens(tmp_path, tiny_model, tiny_text):
+    from sinkscope.reduce import reduce_token_store
+    from sinkscope.stats import frame_statistics
+
+    with_tokens, without = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    _capture_rollout(tiny_model, tiny_text, with_tokens, 1)
+    _capture_rollout(make_tiny_model(), tiny_text, without, 1, tokens=False)
+    assert not (without / "logits").exists()
+    pooled_a = xr.open_zarr(with_tokens).logit_mean_pooled.values
+    pooled_b = xr.open_zarr(without).logit_mean_pooled.values
+    np.testing.assert_array_equal(pooled_a, pooled_b)  # same model and seed, tokens or not
+    reduce_token_store(without, tmp_path / "frames.zarr")
+    frames = xr.open_zarr(tmp_path / "frames.zarr").load()
+    np.testing.assert_array_equal(frames.logit_mean.values, pooled_b)
+    assert np.isnan(frames.prob_mass.values).all() and np.isnan(frames.entropy.values).all()
+    stats = frame_statistics(frames)
+    logit_rows = stats[stats.measure == "logit_mean"]
+    assert (
+        logit_rows["first"].notna().all()
+        and stats[stats.measure == "prob_mass"]["first"].isna().all()
+    )

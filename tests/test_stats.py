@@ -362,3 +362,75 @@ def test_sink_rate():
     blind = ds.copy(deep=True)
     blind["prob_mass"][:, 0, 3, 0] = np.nan
     assert sink_rate(blind, threshold=0.6)["sink_rate"].tolist() == [0.5, 0.5]
+
+
+def _class_dataset() -> xr.Dataset:
+    """4 frames in blocks [2, 2], 1 step, 3 heads: a sink head, a recent head, a spread head."""
+    nan = np.nan
+    first_block = [[1.0, 0.0, nan, nan], [0.5, 0.5, nan, nan]]  # queries 0, 1 see frames 0, 1
+    rows = {
+        0: [*first_block, [0.6, 0.1, 0.1, 0.2], [0.5, 0.1, 0.2, 0.2]],  # sink
+        1: [*first_block, [0.1, 0.1, 0.4, 0.4], [0.1, 0.1, 0.3, 0.5]],  # recent
+        2: [*first_block, [0.25, 0.25, 0.25, 0.25], [0.2, 0.3, 0.25, 0.25]],  # spread
+    }
+    mass = np.array([[rows[h] for h in range(3)]])  # (step, head, query, key)
+    return xr.Dataset(
+        {
+            "prob_mass": (("step", "head", "query_frame", "key_frame"), mass),
+            "logit_mean": (("step", "head", "query_frame", "key_frame"), np.log(mass + 1e-3)),
+            "entropy": (("step", "head", "query_frame"), np.ones((1, 3, 4))),
+        },
+        coords={
+            "step": [0],
+            "head": [0, 1, 2],
+            "query_frame": range(4),
+            "key_frame": range(4),
+            "timestep": ("step", [1000.0]),
+            "pass_kind": ("step", ["denoise"]),
+            "block": ("query_frame", [0, 0, 1, 1]),
+            "checkpoint": "c",
+            "prompt": "p",
+            "layer": 0,
+        },
+    )
+
+
+def test_importance_head_class_and_sink_rate_by_hand():
+    from sinkscope.stats import sink_rates
+
+    ds = _class_dataset()
+    table = frame_statistics(ds, sink_threshold=0.3, recent_threshold=0.5)
+    mass = table[table.measure == "prob_mass"].set_index("head")
+    # importance: mean mass on frame 0 over the 4 query frames that see it.
+    assert mass.loc[0, "importance"] == pytest.approx((1.0 + 0.5 + 0.6 + 0.5) / 4)
+    assert mass.loc[1, "importance"] == pytest.approx((1.0 + 0.5 + 0.1 + 0.1) / 4)
+    assert mass.loc[2, "importance"] == pytest.approx((1.0 + 0.5 + 0.25 + 0.2) / 4)
+    # Last block: head 0 first 0.55 -> sink; head 1 first 0.1, own block 0.8 -> recent;
+    # head 2 first 0.225, own block 0.5 -> recent at 0.5, spread at 0.6.
+    assert list(mass["head_class"]) == ["sink", "recent", "recent"]
+    stricter = frame_statistics(ds, recent_threshold=0.6)
+    assert list(stricter[stricter.measure == "prob_mass"]["head_class"]) == [
+        "sink",
+        "recent",
+        "spread",
+    ]
+    assert (table[table.measure == "logit_mean"]["head_class"] == "").all()
+    assert table[table.measure == "logit_mean"]["importance"].isna().all()
+    rates = sink_rates(table, threshold=0.45)
+    # importances 0.65, 0.425, 0.4875 -> 2 of 3 heads above 0.45.
+    assert rates["sink_heads"].tolist() == [2] and rates["sink_rate"].tolist() == [
+        pytest.approx(2 / 3)
+    ]
+
+
+def test_summary_writes_sink_rates(tmp_path):
+    from sinkscope.stats import write_summary
+
+    table = frame_statistics(_class_dataset())
+    table.to_csv(tmp_path / "a.csv", index=False)
+    write_summary([tmp_path / "a.csv"], tmp_path / "summary.csv", tmp_path / "sink_rate.csv")
+    rates = pd.read_csv(tmp_path / "sink_rate.csv")
+    # Default threshold 0.3: importances 0.65, 0.425 and 0.4875 all exceed it.
+    assert rates[["num_heads", "sink_heads", "sink_rate"]].values.tolist() == [[3, 3, 1.0]]
+    summary = pd.read_csv(tmp_path / "summary.csv", keep_default_na=False, na_values=[""])
+    assert summary[summary["aggregate"] == "run"]["head_class"].tolist().count("sink") == 1

@@ -18,7 +18,16 @@ import xarray as xr
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = ["Snakefile", "config.yaml", "rules", "scripts", "schemas", "profiles", "envs"]
+WORKFLOW_FILES = [
+    "Snakefile",
+    "config.yaml",
+    "rules",
+    "scripts",
+    "schemas",
+    "profiles",
+    "envs",
+    "report",
+]
 
 
 def copy_workflow(dest: Path) -> Path:

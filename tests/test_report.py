@@ -1,0 +1,203 @@
+"""The Snakemake HTML report of the demo: every figure with its caption, and the summary table.
+
+Snakemake 9's HTML report is one file: the results are a JSON object in a `<script>` element
+(`var results = {...}`), each with its labels, its caption (HTML rendered from the .rst) and the
+file itself as a base64 `data:` URI; `var categories` maps category -> subcategory -> paths. The
+tests decode those objects instead of matching markup.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from tests.test_workflow import REPO, copy_workflow, snakemake
+
+CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
+FORMAT = CONFIG["figures"]["format"]
+LAYERS = sorted(CONFIG["layers"])
+RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
+LAYER_KINDS = ["heads_grid", "heads_heatmap", "frame_maps"]
+RUN_KINDS = ["layer_comparison", "statistics"]
+COMPARE_KINDS = ["checkpoints", "prompts", "passes"]
+
+
+def layer_label(layers) -> str:
+    return ", ".join(f"L{layer + 1}" for layer in sorted(set(layers)))
+
+
+HEAD_LAYERS = layer_label(layer for layer, _ in CONFIG["figures"]["heads"])
+
+
+def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
+    """path -> (subcategory, caption file stem, labels) for every figure of the demo."""
+    figures = {}
+    for checkpoint, prompt in RUNS:
+        folder = f"results/figures/{checkpoint}/{prompt}"
+        sub = f"{checkpoint} / {prompt}"
+        figures[f"{folder}/figure4.{FORMAT}"] = (
+            sub,
+            "figure4",
+            {"figure": "figure4", "layer": HEAD_LAYERS},
+        )
+        for layer in LAYERS:
+            for kind in LAYER_KINDS:
+                figures[f"{folder}/layer{layer}_{kind}.{FORMAT}"] = (
+                    sub,
+                    kind,
+                    {"figure": kind.replace("_", " "), "layer": f"L{layer + 1}"},
+                )
+        for kind in RUN_KINDS:
+            figures[f"{folder}/{kind}.{FORMAT}"] = (
+                sub,
+                kind,
+                {"figure": kind.replace("_", " "), "layer": layer_label(LAYERS)},
+            )
+    for kind in COMPARE_KINDS:
+        figures[f"results/figures/compare/{kind}.{FORMAT}"] = (
+            "across checkpoints and prompts",
+            f"compare_{kind}",
+            {"figure": kind, "layer": HEAD_LAYERS},
+        )
+    return figures
+
+
+def embedded(page: str, name: str):
+    """The JSON value that a `<script>` of the report assigns to the JavaScript variable `name`."""
+    match = re.search(rf"<script id=\"[\w-]+\">\s*var {name} = ", page)
+    assert match, f"no `var {name}` in the report"
+    value, _ = json.JSONDecoder().raw_decode(page, match.end())
+    return value
+
+
+class _References(HTMLParser):
+    """src / href attributes of the page's elements (script bodies are data, not elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        for name, value in attrs:
+            if name in {"src", "href"} and value and not value.startswith(("data:", "#")):
+                self.found.append(f"<{tag} {name}={value}>")
+
+
+def references(page: str) -> list[str]:
+    parser = _References()
+    parser.feed(page)
+    parser.close()
+    return parser.found
+
+
+def decode_data_uri(uri: str) -> bytes:
+    header, _, payload = uri.partition(",")
+    assert header.startswith("data:") and header.endswith(";base64"), header[:80]
+    return base64.b64decode(payload)
+
+
+def plain_text(markup: str) -> str:
+    """Text of rendered HTML (or of a line of .rst), whitespace collapsed."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", markup)).split())
+
+
+def first_line(caption: str) -> str:
+    """The first line of a caption file: by convention one plain sentence (no markup)."""
+    return (REPO / "report" / f"{caption}.rst").read_text().splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def demo_report(tmp_path_factory) -> tuple[Path, str]:
+    workdir = copy_workflow(tmp_path_factory.mktemp("report"))
+    snakemake(workdir)
+    snakemake(workdir, "--report", "report.html")
+    return workdir, (workdir / "report.html").read_text()
+
+
+def test_report_is_self_contained(demo_report):
+    workdir, page = demo_report
+    results = embedded(page, "results")
+    assert results
+    for path, entry in results.items():
+        # Each result travels inside the report, byte for byte.
+        assert decode_data_uri(entry["data_uri"]) == (workdir / path).read_bytes(), path
+    # Nothing is loaded from elsewhere: no element of the page refers to a file (script, style,
+    # image, link); the only references are the data: URIs the scripts build from `results`.
+    assert references(page) == []
+    assert not re.search(r"\b(?:src|href)\s*=\s*[\"']?(?:\./)?results/", page)
+
+
+def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
+    _, page = demo_report
+    results = embedded(page, "results")
+    categories = embedded(page, "categories")
+    expected = expected_figures()
+    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2) + 3 == 39
+    figures = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
+    assert figures == set(expected)
+    for path, (subcategory, caption, labels) in expected.items():
+        entry = results[path]
+        assert path in categories["Figures"][subcategory], path
+        assert entry["labels"] == labels, path
+        text = plain_text(entry["caption"])
+        assert plain_text(first_line(caption)) in text, (path, caption)
+        assert "System Message" not in text, (path, text)
+    # Captions are rendered with the configuration: the chosen heads, 1-based.
+    heads = ", ".join(f"L{layer + 1}H{head + 1}" for layer, head in CONFIG["figures"]["heads"])
+    for checkpoint, prompt in RUNS:
+        caption = results[f"results/figures/{checkpoint}/{prompt}/figure4.{FORMAT}"]["caption"]
+        assert f"Heads: {heads}" in plain_text(caption)
+    # Every labelled row of a subcategory is distinct, so the report lists each figure once.
+    for subcategory, paths in categories["Figures"].items():
+        rows = {tuple(results[path]["labels"].values()) for path in paths}
+        assert len(rows) == len(paths), subcategory
+
+
+def test_report_holds_the_summary_table(demo_report):
+    workdir, page = demo_report
+    results = embedded(page, "results")
+    categories = embedded(page, "categories")
+    path = "results/stats/summary.csv"
+    tables = {path, "results/stats/summary.html", "results/stats/sink_rate.csv"}
+    assert set(categories["Sink statistics"]["all runs"]) == tables
+    # The across-prompt means, shown inline as an HTML table.
+    html = decode_data_uri(results["results/stats/summary.html"]["data_uri"]).decode()
+    assert "<table" in html and all(name in html for name in CONFIG["checkpoints"])
+    rates = pd.read_csv(
+        io.BytesIO(decode_data_uri(results["results/stats/sink_rate.csv"]["data_uri"]))
+    )
+    assert (
+        set(rates["checkpoint"]) == set(CONFIG["checkpoints"])
+        and rates["sink_rate"].between(0, 1).all()
+    )
+    entry = results[path]
+    assert entry["labels"] == {"table": "summary (csv)"}
+    table = pd.read_csv(io.BytesIO(decode_data_uri(entry["data_uri"])))
+    pd.testing.assert_frame_equal(table, pd.read_csv(workdir / path))
+    assert set(table["checkpoint"]) == set(CONFIG["checkpoints"])
+    assert "prob_mass" in set(table["measure"])
+    assert {"run", "mean", "std", "count"} <= set(table["aggregate"])
+    assert plain_text(first_line("summary")) in plain_text(entry["caption"])
+
+
+def test_report_describes_the_workflow(demo_report):
+    _, page = demo_report
+    description = plain_text(embedded(page, "workflow_desc"))
+    assert plain_text(first_line("workflow")) in description
+    assert f"checkpoints {', '.join(CONFIG['checkpoints'])}" in description
+    assert "System Message" not in description
+
+
+def test_every_caption_file_is_used():
+    captions = {path.stem for path in (REPO / "report").glob("*.rst")}
+    used = {caption for _, caption, _ in expected_figures().values()}
+    assert captions == used | {"summary", "sink_rate", "workflow"}
