@@ -74,7 +74,7 @@ class LogitCapture:
             k_head = k_sorted[:, head].float()
             for frame in range(q.shape[1] // t):
                 q_frame = q[0, frame * t : (frame + 1) * t, head].float()
-                tile = (q_frame @ k_head.T) * self.scale
+                tile = (q_frame @ k_head.T).mul_(self.scale)  # in place: one T x keys buffer
                 writer.write_row(
                     self.step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
                 )
