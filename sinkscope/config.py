@@ -137,6 +137,7 @@ def extraction_gpus(config: dict) -> int:
 
 def check_config(config: dict) -> None:
     """Raise ConfigError for problems the schema cannot see. Paths are relative to the workdir."""
+    _check_prompts(config)
     demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
     for name, entry in config["checkpoints"].items():
         key = f"checkpoints.{name}"
@@ -174,12 +175,12 @@ def check_config(config: dict) -> None:
                 f"divisible by the patch size {patch[1]}x{patch[2]} of checkpoint '{name}'"
             )
         _check_sampler(config, name)
+        _check_text_fits(config, name, model)
     for layer, _ in config["figures"]["heads"]:
         if layer not in config["layers"]:
             raise ConfigError(
                 f"figures.heads: layer {layer} is not captured; add it to layers {config['layers']}"
             )
-    _check_prompts(config)
     video = config["video"]
     if video["frames_per_block"] > video["num_frames"]:
         raise ConfigError(
@@ -230,6 +231,25 @@ def _capture_passes(config: dict) -> list[int]:
         return resolve_passes(config["capture"]["passes"], steps)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_text_fits(config: dict, name: str, model: WanConfig) -> None:
+    """Prompt embeddings must fit the DiT's text context (checked again on the real tensors)."""
+    encoder = config.get("text_encoder")
+    if encoder is None or all(prompt_embeddings(config, p) for p in config["prompts"]):
+        return
+    if encoder["text_len"] > model.text_len:
+        raise ConfigError(
+            f"text_encoder.text_len={encoder['text_len']} exceeds text_len={model.text_len} "
+            f"of checkpoint '{name}'"
+        )
+    is_demo_encoder = Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
+    width = config["demo"]["text_encoder"]["d_model"]
+    if is_demo_encoder and width != model.text_dim:
+        raise ConfigError(
+            f"demo.text_encoder.d_model={width} differs from text_dim={model.text_dim} "
+            f"of checkpoint '{name}'"
+        )
 
 
 def _check_prompts(config: dict) -> None:

@@ -259,6 +259,14 @@ def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
             lambda c: c.update(text_encoder={"path": "config.yaml"}),
             "text_encoder.tokenizer: required with Wan's encoder file config.yaml",
         ),
+        (
+            lambda c: c["text_encoder"].update(text_len=512),
+            "text_encoder.text_len=512 exceeds text_len=128 of checkpoint 'demo_a'",
+        ),
+        (
+            lambda c: c["demo"]["text_encoder"].update(d_model=16),
+            "demo.text_encoder.d_model=16 differs from text_dim=32",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -269,6 +277,8 @@ def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
         "window-too-small",
         "missing-embeddings",
         "pth-without-tokenizer",
+        "text-too-long",
+        "encoder-width",
     ],
 )
 def test_bad_config_fails_before_any_job(tmp_path, change, message):
