@@ -188,6 +188,84 @@ def test_reduce_rows_by_hand():
     np.testing.assert_allclose(out[4], entropy, rtol=1e-6)
 
 
+def _nan_bits_negative(rows: np.ndarray, columns: slice) -> None:
+    """Give the NaNs in `columns` the sign bit: a NaN fill that is not the usual positive one."""
+    rows.view(np.uint16)[:, columns] |= 0x8000
+
+
+FAST_T, FAST_F = 8, 5
+# Float64 logits [T, F * T] -> float64 logits with NaN where invisible; some also get a float16
+# bit tweak after rounding.
+FLOAT16_CASES = {
+    "dense": lambda x: x,
+    "causal": lambda x: _set(x, np.s_[:, 3 * FAST_T :], np.nan),
+    "sink_and_window": lambda x: _set(x, np.s_[:, FAST_T : 3 * FAST_T], np.nan),
+    "nan_row": lambda x: _set(_set(x, np.s_[:, 3 * FAST_T :], np.nan), np.s_[2], np.nan),
+    "first_row_nan_in_one_tile": lambda x: _set(
+        _set(x, np.s_[:, 3 * FAST_T :], np.nan), np.s_[0, FAST_T : 2 * FAST_T], np.nan
+    ),
+    "first_row_all_nan": lambda x: _set(x, np.s_[0], np.nan),
+    "one_nan_inside": lambda x: _set(x, np.s_[5, 4], np.nan),
+    "plus_inf": lambda x: _set(x, np.s_[4, 3], np.inf),
+    "minus_inf": lambda x: _set(x, np.s_[4, 3], -np.inf),
+    "negative_nan_fill": lambda x: _set(x, np.s_[:, 3 * FAST_T :], np.nan),
+    "subnormal": lambda x: x * 1e-6,
+    "all_negative": lambda x: -np.abs(x) - 3.0,
+    "all_negative_wide": lambda x: -30.0 * np.abs(x) - 3.0,  # exp(x - min) would overflow
+    "rows_far_below_the_top": lambda x: _set(x, np.s_[::2], x[::2] - 100.0),
+    "rows_somewhat_below_the_top": lambda x: _set(x, np.s_[::2], x[::2] - 25.0),
+    "all_nan": lambda x: np.full_like(x, np.nan),
+}
+
+
+def _set(x: np.ndarray, where, value) -> np.ndarray:
+    x = x.copy()
+    x[where] = value
+    return x
+
+
+def _float16_rows(case: str) -> np.ndarray:
+    rng = np.random.default_rng(5)
+    x = rng.normal(0.0, 3.0, size=(FAST_T, FAST_F * FAST_T))
+    x[:, :FAST_T] += 5.0  # a sink
+    with np.errstate(over="ignore"):
+        rows = FLOAT16_CASES[case](x).astype(np.float16)
+    if case == "negative_nan_fill":
+        _nan_bits_negative(rows, np.s_[3 * FAST_T :])
+    return rows
+
+
+@pytest.mark.parametrize("sub_block_rows", [None, 3])
+@pytest.mark.parametrize("case", sorted(FLOAT16_CASES))
+def test_float16_rows_match_the_exact_path(case, sub_block_rows, monkeypatch):
+    """float16 rows take the fast path (visible key frames only, table exponentials, sub-blocks
+    of rows); the same values as float64 take the exact one. They agree, NaN and inf included."""
+    if sub_block_rows is not None:
+        monkeypatch.setattr(reduce_module, "SUB_BLOCK_VALUES", sub_block_rows * FAST_F * FAST_T)
+    rows = _float16_rows(case)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected = reduce_rows(rows.astype(np.float64), FAST_F)
+        got = reduce_rows(rows, FAST_F)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case", ["dense", "causal", "sink_and_window", "negative_nan_fill", "all_negative_wide"]
+)
+def test_float16_rows_without_nan_inside_skip_the_exact_path(case, monkeypatch):
+    calls = []
+    original = reduce_module._RowSums.add_exact
+
+    def spy(self, rows):
+        calls.append(rows.shape)
+        return original(self, rows)
+
+    monkeypatch.setattr(reduce_module._RowSums, "add_exact", spy)
+    reduce_rows(_float16_rows(case), FAST_F)
+    assert calls == []
+
+
 def test_degenerate_store_single_block_one_head_all_nan_rows(tmp_path):
     rng = np.random.default_rng(3)
     sizes = [4]
