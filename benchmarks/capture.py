@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measure import cpu_seconds, current_rss, gb, mbps, peak_rss, tree_bytes, verdict
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
 NUM_FRAMES, FRAMES_PER_BLOCK = 21, 3
@@ -48,48 +48,6 @@ LOGICAL_BYTES_TARGET = 4e9  # "while writing several GB": at least this many log
 
 
 # --- measurements ---------------------------------------------------------------------------
-
-
-def _status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status (VmHWM, VmRSS) in bytes; None where there is none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process so far (VmHWM, else ru_maxrss)."""
-    peak = _status_bytes("VmHWM")
-    if peak is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    return peak
-
-
-def current_rss() -> int:
-    rss = _status_bytes("VmRSS")
-    return peak_rss() if rss is None else rss
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads."""
-    times = os.times()
-    return times.user + times.system
-
-
-def tree_bytes(path: Path) -> tuple[int, int]:
-    """(apparent bytes, allocated bytes on disk) of all files under `path`."""
-    apparent = allocated = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            stat = os.stat(os.path.join(root, name))
-            apparent += stat.st_size
-            allocated += stat.st_blocks * 512
-    return apparent, allocated
 
 
 # --- the model and the rollout ----------------------------------------------------------------
@@ -338,18 +296,6 @@ def run_mode(mode: str, args, workdir: Path, **paths: Path) -> dict:
     return json.loads(result.read_text())
 
 
-def gb(value: float) -> str:
-    return f"{value / 1e9:.2f} GB"
-
-
-def mbps(value: float) -> str:
-    return f"{value / 1e6:.0f} MB/s"
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain_stored: tuple):
     logical = capture["logical_bytes"]
     expected = visible_tiles_per_pass(args.heads) * len(capture["passes"])
@@ -438,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         help="parent directory for the benchmark data (default: a new temporary directory)",
     )
     parser.add_argument(
-        "--keep", action="store_true", help="keep the capture store (for benchmarks/codecs.py)"
+        "--keep", action="store_true", help="keep the capture store (for benchmarks/compression.py)"
     )
     parser.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from measure import cpu_seconds, current_rss, gb, mbps, peak_rss, tree_bytes, verdict
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
 T = LATENT_HEIGHT * LATENT_WIDTH // 4  # 1560 tokens per latent frame after the 2 x 2 patch
@@ -59,46 +59,6 @@ PEAK_RSS_TARGET = 1.5e9  # bytes, at most
 
 
 # --- measurements ---------------------------------------------------------------------------
-
-
-def _status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status (VmHWM, VmRSS) in bytes; None where there is none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process so far (VmHWM, else ru_maxrss)."""
-    peak = _status_bytes("VmHWM")
-    if peak is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    return peak
-
-
-def current_rss() -> int:
-    rss = _status_bytes("VmRSS")
-    return peak_rss() if rss is None else rss
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads."""
-    times = os.times()
-    return times.user + times.system
-
-
-def tree_bytes(path: Path) -> int:
-    """Apparent bytes of all files under `path`."""
-    return sum(
-        os.stat(os.path.join(root, name)).st_size
-        for root, _, files in os.walk(path)
-        for name in files
-    )
 
 
 class Timer:
@@ -375,18 +335,6 @@ def best_of(runs: list[dict]) -> dict:
     return best
 
 
-def gb(value: float) -> str:
-    return f"{value / 1e9:.2f} GB"
-
-
-def mbps(value: float) -> str:
-    return f"{value / 1e6:.0f} MB/s"
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def seconds_list(run: dict) -> str:
     return ", ".join(f"{s:.1f}" for s in run["all_seconds"])
 
@@ -509,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out = workdir / "frames" / "layer0.zarr"
     try:
         build = run_mode("build", args, workdir)
-        stored = tree_bytes(args.store / "logits")
+        stored, _ = tree_bytes(args.store / "logits")
         reads, reduces = [], []
         for _ in range(args.repeat):
             reads.append(run_mode("read", args, workdir))

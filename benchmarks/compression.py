@@ -20,8 +20,8 @@ selection of the same shard, `write_empty_chunks` on), then read + decompress th
 (T, N) rows as sinkscope.reduce reads them; throughputs are the best of --repeat runs. Files land
 in the page cache: this measures the codec and zarr, not the disk. Not a test.
 
-    python benchmarks/codecs.py
-    python benchmarks/codecs.py --from-store /tmp/.../capture.zarr
+    python benchmarks/compression.py
+    python benchmarks/compression.py --from-store /tmp/.../capture.zarr
 """
 
 from __future__ import annotations
