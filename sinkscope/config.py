@@ -233,19 +233,28 @@ def _capture_passes(config: dict) -> list[int]:
         raise ConfigError(str(err)) from None
 
 
+def _uses_text_encoder(config: dict) -> bool:
+    """Whether some prompt must be encoded (brings no precomputed embeddings)."""
+    return any(prompt_embeddings(config, name) is None for name in config["prompts"])
+
+
+def _is_demo_encoder(encoder: dict) -> bool:
+    """Whether text_encoder.path is the one rule make_demo_text_encoder writes."""
+    return Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
+
+
 def _check_text_fits(config: dict, name: str, model: WanConfig) -> None:
     """Prompt embeddings must fit the DiT's text context (checked again on the real tensors)."""
     encoder = config.get("text_encoder")
-    if encoder is None or all(prompt_embeddings(config, p) for p in config["prompts"]):
+    if encoder is None or not _uses_text_encoder(config):
         return
     if encoder["text_len"] > model.text_len:
         raise ConfigError(
             f"text_encoder.text_len={encoder['text_len']} exceeds text_len={model.text_len} "
             f"of checkpoint '{name}'"
         )
-    is_demo_encoder = Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
     width = config["demo"]["text_encoder"]["d_model"]
-    if is_demo_encoder and width != model.text_dim:
+    if _is_demo_encoder(encoder) and width != model.text_dim:
         raise ConfigError(
             f"demo.text_encoder.d_model={width} differs from text_dim={model.text_dim} "
             f"of checkpoint '{name}'"
@@ -257,12 +266,12 @@ def _check_prompts(config: dict) -> None:
         path = prompt_embeddings(config, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"prompts.{name}.embeddings: file not found: {path}")
-    if all(prompt_embeddings(config, name) for name in config["prompts"]):
+    if not _uses_text_encoder(config):
         return
     encoder = config.get("text_encoder")
     if encoder is None:
         raise ConfigError("text_encoder: required, since some prompts bring no embeddings")
-    if Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir():
+    if _is_demo_encoder(encoder):
         return
     path = Path(encoder["path"])
     if not path.exists():

@@ -83,30 +83,41 @@ def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str
         raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor]:
-    """DiT weights of a Self-Forcing / CausVid `.pt`, `model.` prefix stripped.
-
-    Loaded with weights_only=True: a pickle that carries code is refused.
-    """
+def load_pickled(path: str | Path) -> object:
+    """`torch.load` with weights_only=True (a pickle that carries code is refused), memory-mapped
+    where the file format allows. Errors name the file; a missing file is FileNotFoundError."""
     path = Path(path)
-    key = "generator_ema" if ema else "generator"
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as err:
             if "mmap can only be used" not in str(err):
                 raise
             # A legacy (pre-zip) torch.save file: no mmap, still weights only.
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"not found: {path}") from None
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f" (it references {found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path}: refused to unpickle{what}: weights_only=True allows tensors and plain "
+            "containers only, and code inside a pickle is never run"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path}: not a readable torch checkpoint (truncated, or not a torch.save file): {err}"
+        ) from None
+
+
+def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor]:
+    """DiT weights of a Self-Forcing / CausVid `.pt`, `model.` prefix stripped."""
+    path = Path(path)
+    key = "generator_ema" if ema else "generator"
+    try:
+        state = load_pickled(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {path}") from None
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path}: refused to unpickle (weights_only=True allows tensors and plain containers "
-            f"only; this file carries other objects or code): {err}"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({err})") from None
     if not isinstance(state, dict) or key not in state:
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path}: no '{key}' entry (ema={ema}); it has {found}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import json
-import pickle
 import re
 import string
 from collections.abc import Mapping
@@ -121,23 +120,13 @@ def wan_umt5_config(
 
 
 def _read_wan_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from .checkpoint import load_pickled
+
     try:
         # mmap: the 11 GB XXL file is paged in as tensors are converted, not read up front.
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = load_pickled(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"Wan UMT5 checkpoint not found: {path}") from None
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        what = f" (it references {found.group(1)})" if found else ""
-        raise ValueError(
-            f"{path}: refused to unpickle{what}; a Wan UMT5 checkpoint must be a plain "
-            "state dict of tensors, and code inside a pickle is never run"
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as err:
-        raise ValueError(
-            f"{path}: unreadable as a torch.save checkpoint (truncated or not a zip-format "
-            f"torch file?): {err}"
-        ) from None
     if not isinstance(state, Mapping):
         raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
     not_tensors = sorted(str(key) for key, value in state.items() if not torch.is_tensor(value))
@@ -297,10 +286,6 @@ def load_prompt_embedding(
             f"{path}: embeddings have width {embeds.shape[1]}, but text_dim={text_dim} is expected"
         )
     return embeds, metadata
-
-
-# The check applied to user-supplied precomputed embeddings is the loader itself.
-validate_prompt_embedding = load_prompt_embedding
 
 
 def make_demo_text_encoder(
