@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 # Keys the original config.json (or WanModel.__init__) may carry that do not change the T2V DiT.
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
@@ -64,17 +62,6 @@ class WanConfig:
             if key in kwargs:
                 kwargs[key] = tuple(kwargs[key])
         return cls(**kwargs)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> WanConfig:
-        path = Path(path)
-        try:
-            values = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"Wan config not found: {path}") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(values, source=str(path))
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)
