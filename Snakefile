@@ -23,6 +23,17 @@ include: "rules/stats.smk"
 include: "rules/figures.smk"
 
 
+# On a cluster these run in the main Snakemake process: seconds each, not worth a queue slot.
+localrules:
+    all,
+    make_demo_checkpoint,
+    make_demo_text_encoder,
+    stats,
+    summary,
+    figures,
+    compare_figures,
+
+
 rule all:
     default_target: True
     input:

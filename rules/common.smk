@@ -13,6 +13,14 @@ from sinkscope.config import (
     prompt_inputs,
     prompt_text,
 )
+from sinkscope.resources import (
+    REDUCE_MB,
+    encode_gpus,
+    encode_mem_mb,
+    extract_mem_mb,
+    extract_runtime,
+    reduce_runtime,
+)
 
 try:
     check_config(config)

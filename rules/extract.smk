@@ -1,9 +1,12 @@
-# Checkpoint + prompt embeddings -> token store of one layer (Contract 1).
+# Checkpoint + prompt embeddings -> token store of one layer (Contract 1). Checkpoint files are
+# ancient(): their sha256 (in params, cached per file change) decides reruns, not their mtime.
 
 
 rule extract:
     input:
-        checkpoint=lambda wildcards: checkpoint_inputs(config, wildcards.checkpoint),
+        checkpoint=lambda wildcards: ancient(
+            checkpoint_inputs(config, wildcards.checkpoint)
+        ),
         prompt="results/prompts/{prompt}.safetensors",
     output:
         token_store(directory("results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")),
@@ -14,6 +17,8 @@ rule extract:
     threads: 1
     resources:
         gpu=extraction_gpus(config),
+        mem_mb=lambda wildcards: extract_mem_mb(config, wildcards.checkpoint),
+        runtime=lambda wildcards: extract_runtime(config, wildcards.checkpoint),
     params:
         settings=lambda wildcards: extraction_settings(config, wildcards.checkpoint),
     script:

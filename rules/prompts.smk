@@ -11,6 +11,9 @@ rule encode_prompt:
         "results/logs/encode_prompt/{prompt}.log",
     conda:
         "../envs/extract.yaml"
+    resources:
+        gpu=lambda wildcards: encode_gpus(config, wildcards.prompt),
+        mem_mb=lambda wildcards: encode_mem_mb(config, wildcards.prompt),
     params:
         text=lambda wildcards: prompt_text(config, wildcards.prompt),
         encoder=lambda wildcards: prompt_encoder(config, wildcards.prompt),

@@ -11,5 +11,8 @@ rule reduce:
     conda:
         "../envs/analysis.yaml"
     threads: 1
+    resources:
+        mem_mb=REDUCE_MB,
+        runtime=lambda wildcards: reduce_runtime(config, wildcards.checkpoint),
     script:
         "../scripts/reduce.py"

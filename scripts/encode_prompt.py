@@ -1,6 +1,6 @@
 """Snakemake adapter: rule encode_prompt (encode the text, or import precomputed embeddings)."""
 
-from sinkscope.extract import resolve_device
+from sinkscope.gpus import job_device
 from sinkscope.logs import job_log
 from sinkscope.wan.text import encode_prompt, import_prompt_embedding, save_prompt_embedding
 
@@ -10,11 +10,12 @@ with job_log(snakemake.log[0]):
     if encoder is None:
         import_prompt_embedding(snakemake.input.embeddings, snakemake.output[0], prompt=text)
     else:
-        embeds, length = encode_prompt(
-            text,
-            encoder["path"],
-            tokenizer_dir=encoder["tokenizer"],
-            text_len=encoder["text_len"],
-            device=resolve_device(snakemake.params.device),
-        )
+        with job_device(snakemake.params.device) as claim:
+            embeds, length = encode_prompt(
+                text,
+                encoder["path"],
+                tokenizer_dir=encoder["tokenizer"],
+                text_len=encoder["text_len"],
+                device=claim.device,
+            )
         save_prompt_embedding(snakemake.output[0], embeds, prompt=text, length=length)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from .digest import DIGEST_CACHE, cached_sha256
 from .frames import block_sizes, visible_frames
 from .wan.config import WanConfig
 from .wan.layout import (
@@ -52,7 +53,7 @@ def checkpoint_inputs(config: dict, name: str) -> list[str]:
     return [str(path) for path in files]
 
 
-def _model_config(config: dict, name: str) -> WanConfig:
+def model_config(config: dict, name: str) -> WanConfig:
     """The DiT config of a checkpoint: its config.json, or the demo model it will be made from."""
     entry = config["checkpoints"][name]
     if _is_demo_path(config, entry["base"]):
@@ -112,15 +113,36 @@ def sampler_settings(config: dict, name: str) -> dict:
     return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}
 
 
-def extraction_settings(config: dict, name: str) -> dict:
+def checkpoint_content(config: dict, name: str, cache: str | Path = DIGEST_CACHE) -> dict:
+    """What decides the bytes of checkpoint `name`: the sha256 of its files (cached, so read once
+    per change), or for a demo checkpoint the recipe its rule makes it from (its files may not
+    exist yet when the workflow is parsed)."""
+    entry = config["checkpoints"][name]
+    if _is_demo_path(config, entry["base"]):
+        demo = Path(entry["base"]).name
+        return {
+            "demo_seed": config["demo"]["checkpoints"][demo],
+            "demo_model": config["demo"].get("model", {}),
+        }
+    try:
+        return {"sha256": cached_sha256(checkpoint_inputs(config, name), cache)}
+    except OSError as err:
+        raise ConfigError(f"checkpoints.{name}: {err}") from None
+
+
+def extraction_settings(config: dict, name: str, cache: str | Path = DIGEST_CACHE) -> dict:
     """Everything an extraction job of checkpoint `name` depends on, and nothing else.
 
-    Used as the job's params, so adding layers or prompts does not re-run existing jobs.
+    Used as the job's params, so adding layers or prompts does not re-run existing jobs, and the
+    checkpoint's content (not its files' timestamps) re-runs them when it changes.
     """
     entry = config["checkpoints"][name]
     return canonical(
         {
-            "checkpoint": {k: entry[k] for k in ("base", "generator", "ema") if k in entry},
+            "checkpoint": {
+                **{k: entry[k] for k in ("base", "generator", "ema") if k in entry},
+                **checkpoint_content(config, name, cache),
+            },
             "sampler": sampler_settings(config, name),
             "video": config["video"],
             "capture": {k: config["capture"][k] for k in ("passes", "tokens")},
@@ -152,7 +174,7 @@ def check_config(config: dict) -> None:
                         f"demo.checkpoints: {sorted(demo_checkpoints)})"
                     )
                     raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
-        model = _model_config(config, name)
+        model = model_config(config, name)
         num_layers = model.num_layers
         num_heads = model.num_heads
         bad = [layer for layer in config["layers"] if layer >= num_layers]

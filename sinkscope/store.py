@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -203,7 +204,9 @@ class TokenStoreWriter:
         )
         pooled[:] = self.pooled
         # Marked only now: a store without `complete` is never accepted downstream.
-        self._group.attrs["complete"] = True
+        self._group.attrs.update(
+            {"complete": True, "completed_at": datetime.now(UTC).isoformat(timespec="milliseconds")}
+        )
         with warnings.catch_warnings():
             # zarr notes that consolidated metadata is not in the v3 spec
             warnings.simplefilter("ignore")

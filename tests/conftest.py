@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,3 +36,13 @@ def tiny_model() -> WanModel:
 @pytest.fixture
 def tiny_text() -> torch.Tensor:
     return torch.randn(1, 5, TINY.text_dim, generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """The embedded default, run once for the whole session; tests change only copies of it."""
+    from .workflowtools import copy_workflow, snakemake
+
+    workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    snakemake(workdir)
+    return workdir

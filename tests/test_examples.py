@@ -11,7 +11,7 @@ from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
 from sinkscope.wan.text import make_demo_text_encoder, wan_umt5_key_map
 
-from .test_workflow import REPO, copy_workflow, planned_jobs, snakemake
+from .workflowtools import REPO, copy_workflow, planned_jobs, snakemake
 
 # 5 layers and 10 heads, so the examples' layers [0, 4] and heads L1H1, L5H10 exist.
 EXAMPLE_MODEL = WanConfig(

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.test_workflow import REPO, copy_workflow, snakemake
+from .workflowtools import REPO, demo_copy, snakemake
 
 CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 FORMAT = CONFIG["figures"]["format"]
@@ -116,9 +116,8 @@ def first_line(caption: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def demo_report(tmp_path_factory) -> tuple[Path, str]:
-    workdir = copy_workflow(tmp_path_factory.mktemp("report"))
-    snakemake(workdir)
+def demo_report(demo_run, tmp_path_factory) -> tuple[Path, str]:
+    workdir = demo_copy(demo_run, tmp_path_factory.mktemp("report"))
     snakemake(workdir, "--report", "report.html")
     return workdir, (workdir / "report.html").read_text()
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -17,67 +15,7 @@ import pytest
 import xarray as xr
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-WORKFLOW_FILES = [
-    "Snakefile",
-    "config.yaml",
-    "rules",
-    "scripts",
-    "schemas",
-    "profiles",
-    "envs",
-    "report",
-]
-
-
-def copy_workflow(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in WORKFLOW_FILES:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name)
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
-
-
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"snakemake {args} failed:\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def planned_jobs(workdir: Path, *args: str) -> set[tuple[str, str]]:
-    """(rule, wildcards) of every job a dry run would execute."""
-    out = snakemake(workdir, "--dry-run", *args).stdout
-    jobs = set()
-    for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
-        match = re.match(r"(?:local)?rule (\w+):", block.strip())
-        if match:
-            wildcards = re.search(r"wildcards: (.*)", block)
-            jobs.add((match.group(1), wildcards.group(1) if wildcards else ""))
-    return jobs
-
-
-def edit_config(workdir: Path, change) -> None:
-    path = workdir / "config.yaml"
-    config = yaml.safe_load(path.read_text())
-    change(config)
-    path.write_text(yaml.safe_dump(config))
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
-    workdir = copy_workflow(tmp_path_factory.mktemp("workflow"))
-    snakemake(workdir)
-    return workdir
+from .workflowtools import copy_workflow, demo_copy, edit_config, planned_jobs, snakemake
 
 
 def test_demo_produces_every_contract(demo_run):
@@ -118,32 +56,6 @@ def test_second_run_does_nothing(demo_run):
     assert planned_jobs(demo_run) == set()
 
 
-def test_changed_checkpoint_reruns_only_its_jobs(demo_run, tmp_path):
-    workdir = demo_copy(demo_run, tmp_path / "w")
-    assert planned_jobs(workdir) == set()
-    weights = workdir / "results/demo/demo_a/diffusion_pytorch_model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 1  # one changed byte in the last tensor
-    weights.write_bytes(bytes(data))
-    jobs = planned_jobs(workdir)
-    extracts = {w for rule, w in jobs if rule == "extract"}
-    assert extracts == {
-        f"checkpoint=demo_a, prompt={p}, layer={layer}"
-        for p in ("eagle", "harbor")
-        for layer in (0, 2)
-    }
-    assert not any("demo_b" in w for _, w in jobs)
-    assert {rule for rule, _ in jobs} == {
-        "extract",
-        "reduce",
-        "stats",
-        "summary",
-        "figures",
-        "compare_figures",
-        "all",
-    }
-
-
 def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
     edit_config(workdir, lambda c: c.update(layers=[0, 1, 2]))
@@ -162,14 +74,6 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     assert {w for r, w in jobs if r == "encode_prompt"} == {"prompt=fox"}
     assert all("prompt=fox" in w for r, w in jobs if r in {"extract", "reduce", "stats", "figures"})
     assert len([r for r, _ in jobs if r == "extract"]) == 4
-
-
-def demo_copy(demo_run: Path, dest: Path) -> Path:
-    """A copy of the finished demo, results and Snakemake's metadata included."""
-    workdir = copy_workflow(dest)
-    shutil.copytree(demo_run / "results", workdir / "results")
-    shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
-    return workdir
 
 
 def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path):

@@ -8,11 +8,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -123,16 +121,6 @@ def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor
         raise CheckpointError(f"{path}: no '{key}' entry (ema={ema}); it has {found}")
     weights = state[key]
     return {k.removeprefix("model."): v for k, v in weights.items()}
-
-
-def sha256_files(paths: Iterable[str | Path], chunk_bytes: int = 1 << 24) -> str:
-    """One sha256 over the bytes of several files, in order."""
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as handle:
-            while block := handle.read(chunk_bytes):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_keys(model: WanModel, state: dict[str, torch.Tensor], source: str) -> None:

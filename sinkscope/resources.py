@@ -1,0 +1,103 @@
+"""Memory and runtime a job asks a cluster for, from the sizes it will handle.
+
+A SLURM job that asks too little is killed; one that asks too much waits longer in the queue. The
+figures below come from what a job holds: the checkpoint's weights (host memory while loading
+pickles), the bounded writer queue, and bytes written or read at a rate well under what the
+benchmarks measured (`benchmarks/README.md`), so that a slow shared filesystem still fits.
+No torch here: this runs when the workflow is parsed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+from .config import (
+    checkpoint_inputs,
+    extraction_gpus,
+    model_config,
+    prompt_encoder,
+    resolve_passes,
+    sampler_settings,
+)
+from .frames import block_sizes, visible_frames
+
+# Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
+# 1.5 GB, reduce at 0.5 GB in the benchmarks).
+EXTRACT_BASE_MB = 6000
+REDUCE_MB = 3000
+ENCODE_BASE_MB = 4000
+# Rates for the runtime limit: a quarter to a third of what the benchmarks measured.
+WRITE_MB_PER_S = 50.0
+READ_MB_PER_S = 50.0
+SETUP_MINUTES = 15
+
+
+def token_store_bytes(
+    *,
+    num_passes: int,
+    num_heads: int,
+    frame_seq_length: int,
+    sizes: Sequence[int],
+    local_attn_size: int,
+    sink_size: int,
+) -> int:
+    """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    return num_passes * num_heads * tiles * frame_seq_length**2 * 2
+
+
+def files_mb(paths: Sequence[str]) -> float:
+    """Size of the files that exist (a demo checkpoint does not until its rule runs)."""
+    return sum(os.path.getsize(path) for path in paths if os.path.isfile(path)) / 1e6
+
+
+def layer_store_bytes(config: dict, name: str) -> int:
+    """Uncompressed bytes of one token store (one layer, one prompt) of checkpoint `name`."""
+    if not config["capture"]["tokens"]:
+        return 0
+    model = model_config(config, name)
+    sampler = sampler_settings(config, name)
+    video = config["video"]
+    return token_store_bytes(
+        num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
+        num_heads=model.num_heads,
+        frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
+        sizes=block_sizes(video["num_frames"], video["frames_per_block"]),
+        local_attn_size=sampler["local_attn_size"],
+        sink_size=sampler["sink_size"],
+    )
+
+
+def extract_mem_mb(config: dict, name: str) -> int:
+    # Pickled .pt checkpoints are read whole into host memory before they move to the GPU.
+    return int(EXTRACT_BASE_MB + 1.25 * files_mb(checkpoint_inputs(config, name)))
+
+
+def extract_runtime(config: dict, name: str) -> int:
+    """Minutes: setup and rollout, plus the token store written at WRITE_MB_PER_S."""
+    store_mb = layer_store_bytes(config, name) / 1e6
+    return SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
+
+
+def reduce_runtime(config: dict, name: str) -> int:
+    """Minutes: the token store read once at READ_MB_PER_S."""
+    return 5 + math.ceil(layer_store_bytes(config, name) / 1e6 / READ_MB_PER_S / 60)
+
+
+def encode_gpus(config: dict, prompt: str) -> int:
+    """A prompt that brings its embeddings needs no GPU to be copied."""
+    return extraction_gpus(config) if prompt_encoder(config, prompt) else 0
+
+
+def encode_mem_mb(config: dict, prompt: str) -> int:
+    encoder = prompt_encoder(config, prompt)
+    if encoder is None:
+        return 1000
+    path = encoder["path"]
+    if os.path.isdir(path):
+        size = files_mb([os.path.join(path, f) for f in os.listdir(path)])
+    else:
+        size = files_mb([path])
+    return int(ENCODE_BASE_MB + 1.25 * size)

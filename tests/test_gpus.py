@@ -1,0 +1,145 @@
+"""GPU claims: one GPU per job on a workstation, the allocation's GPU under SLURM."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sinkscope.gpus import claim_gpu, job_device, visible_gpu_ids
+
+
+@pytest.fixture(autouse=True)
+def _own_locks(tmp_path, monkeypatch):
+    monkeypatch.setenv("SINKSCOPE_GPU_LOCK_DIR", str(tmp_path / "locks"))
+    for name in ("SLURM_JOB_ID", "CUDA_VISIBLE_DEVICES", "SINKSCOPE_FAKE_GPUS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_concurrent_claims_get_different_gpus_and_a_third_waits():
+    ids = ["0", "1"]
+    third: list[int] = []
+    with claim_gpu(ids) as (first, _), claim_gpu(ids) as (second, _):
+        assert {first, second} == {0, 1}
+
+        def claim_third():
+            with claim_gpu(ids) as (index, _):
+                third.append(index)
+
+        waiter = threading.Thread(target=claim_third)
+        waiter.start()
+        time.sleep(1.0)
+        assert third == []  # both GPUs held: it waits rather than share one
+    waiter.join(timeout=10)
+    assert third in ([0], [1])
+
+
+def test_a_claim_ends_with_its_block_even_on_error():
+    with pytest.raises(RuntimeError, match="boom"), claim_gpu(["0"]):
+        raise RuntimeError("boom")
+    with claim_gpu(["0"]) as (index, _):
+        assert index == 0
+
+
+def test_locks_follow_the_machines_gpu_names(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert visible_gpu_ids(2) == ["2", "3"]
+    with claim_gpu(visible_gpu_ids(2)) as (index, path):
+        assert index == 0 and path.name == "gpu-2.lock"
+
+
+def test_fake_gpus_are_claimed_and_computed_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "2")
+    with job_device("auto") as a, job_device("cuda") as b:
+        assert (a.device, b.device) == ("cpu", "cpu")
+        assert {a.index, b.index} == {0, 1}
+        assert a.record()["claimed_by"] == "lock" and a.record()["fake"] is True
+
+
+def test_under_slurm_the_allocation_is_used_as_is(monkeypatch, tmp_path):
+    monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    # Two jobs on one node may both see "their" GPU as cuda:0: no locks taken.
+    with job_device("auto") as a, job_device("auto") as b:
+        for claim in (a, b):
+            record = claim.record()
+            assert record["claimed_by"] == "slurm" and record["visible_id"] == "1"
+            assert record["slurm_job_id"] == "42"
+    assert not (tmp_path / "locks").exists() or not list((tmp_path / "locks").iterdir())
+
+
+def test_cpu_needs_no_claim():
+    with job_device("cpu") as claim:
+        assert claim.device == "cpu" and claim.claimed_by == "none"
+
+
+def test_cuda_without_a_gpu_is_an_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="CUDA is not available"), job_device("cuda"):
+        pass
+
+
+def extraction_runs(workdir, stores) -> list[tuple]:
+    """(started, completed, gpu index) of each store's extraction job, from its attributes."""
+    from datetime import datetime
+
+    import xarray as xr
+
+    runs = []
+    for store in stores:
+        attrs = xr.open_zarr(workdir / store).attrs
+        gpu = attrs["gpu"]
+        assert gpu["claimed_by"] == "lock" and gpu["fake"] is True
+        runs.append(
+            (
+                datetime.fromisoformat(attrs["started_at"]),
+                datetime.fromisoformat(attrs["completed_at"]),
+                gpu["index"],
+            )
+        )
+    return runs
+
+
+def overlaps(runs: list[tuple]) -> list[tuple]:
+    return [
+        (a, b) for i, a in enumerate(runs) for b in runs[i + 1 :] if a[0] < b[1] and b[0] < a[1]
+    ]
+
+
+def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path):
+    """`--resources gpu=2` with two (fake) GPUs: two extraction jobs overlap in time, each on a
+    GPU of its own, as their stores record; the default profile's gpu=1 runs one at a time."""
+    import os
+
+    from .workflowtools import demo_copy, snakemake
+
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    stores = [
+        f"results/logits/{c}/{p}/layer0.zarr"
+        for c in ("demo_a", "demo_b")
+        for p in ("eagle", "harbor")
+    ]
+    env = {
+        **os.environ,
+        "SINKSCOPE_FAKE_GPUS": "2",
+        "SINKSCOPE_GPU_LOCK_DIR": str(tmp_path / "locks"),
+    }
+    # Targets before --forcerun, which takes every word after it.
+    result = snakemake(workdir, *stores, "--resources", "gpu=2", "--forcerun", "extract", env=env)
+    runs = extraction_runs(workdir, stores)
+    overlapping = overlaps(runs)
+    assert overlapping, f"no two extraction jobs ran at once: {runs}\n{result.stderr}"
+    for a, b in overlapping:
+        assert a[2] != b[2], f"two jobs shared GPU {a[2]} at the same time"
+    # Never more than two at once: at each start, at most one other job is running.
+    for start, _, _ in runs:
+        assert sum(s <= start < e for s, e, _ in runs) <= 2
+
+    # The default profile (gpu: 1): the same two GPUs, one job at a time.
+    snakemake(workdir, *stores[:2], "--forcerun", "extract", env=env)
+    assert overlaps(extraction_runs(workdir, stores[:2])) == []

@@ -1,0 +1,103 @@
+"""The demo workflow through a real SLURM (a private one-node cluster with two fake GPUs) with
+`--workflow-profile profiles/slurm`: GPU jobs go through sbatch asking for a GPU, small rules run
+locally, and the results equal those of a local run."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+
+from .slurmcluster import one_node_cluster, skip_unless_slurm
+from .workflowtools import copy_workflow, snakemake
+
+SBATCH_RULES = {"encode_prompt", "extract", "reduce"}
+RUNS = [
+    (c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0, 2)
+]
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory):
+    skip_unless_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    workdir = copy_workflow(root / "w")
+    with one_node_cluster(root / "cluster", gpus=2) as cluster:
+        env = cluster.command_env(
+            {
+                **os.environ,
+                "SINKSCOPE_FAKE_GPUS": "1",
+                "SINKSCOPE_GPU_LOCK_DIR": str(root / "locks"),
+            }
+        )
+        # The test cluster has no accounting (slurmdbd), hence squeue, polled every second.
+        result = snakemake(
+            workdir,
+            "--workflow-profile",
+            "profiles/slurm",
+            "--slurm-status-command",
+            "squeue",
+            "--slurm-init-seconds-before-status-checks",
+            "1",
+            "--latency-wait",
+            "5",
+            env=env,
+            check=False,
+        )
+        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{cluster.diagnostics()}"
+        records = cluster.job_records()
+        for jobid, record in records.items():
+            # The epilog's record is taken while the job is COMPLETING; jobcomp has the end state.
+            record["JobState"] = cluster.jobcomp_record(jobid)["JobState"]
+    assert cluster.leftover_processes() == []
+    return workdir, records
+
+
+def by_rule(records: dict) -> dict[str, list[dict]]:
+    rules: dict[str, list[dict]] = {}
+    for record in records.values():
+        rule = record.get("Comment", "").removeprefix("rule_").split("_wildcards", 1)[0]
+        rules.setdefault(rule, []).append(record)
+    return rules
+
+
+def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
+    workdir, records = slurm_run
+    rules = by_rule(records)
+    assert set(rules) == SBATCH_RULES  # stats, figures, summary... ran locally
+    assert len(rules["extract"]) == len(RUNS) and len(rules["encode_prompt"]) == 2
+    for record in rules["extract"] + rules["encode_prompt"]:
+        assert record["JobState"] == "COMPLETED"
+        assert record["TresPerJob"] == "gres:gpu:1", record
+    for record in rules["reduce"]:
+        assert "gpu" not in record.get("TresPerJob", "") + record.get("JOB_GRES", "")
+        assert record["MinMemoryNode"] == "3000M"
+    # Each store was written by a SLURM job, on the GPU its allocation made visible.
+    extract_jobs = {record["JobId"] for record in rules["extract"]}
+    for checkpoint, prompt, layer in RUNS:
+        tokens = xr.open_zarr(workdir / f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")
+        gpu = tokens.attrs["gpu"]
+        assert gpu["claimed_by"] == "slurm" and gpu["slurm_job_id"] in extract_jobs
+        assert gpu["visible_id"] in {"0", "1"}
+
+
+def test_slurm_results_equal_a_local_run(slurm_run, demo_run):
+    workdir, _ = slurm_run
+    for checkpoint, prompt, layer in RUNS:
+        name = f"{checkpoint}/{prompt}/layer{layer}"
+        here = xr.open_zarr(workdir / f"results/frames/{name}.zarr")
+        local = xr.open_zarr(demo_run / f"results/frames/{name}.zarr")
+        for var in ("logit_mean", "prob_mass", "entropy"):
+            np.testing.assert_array_equal(here[var].values, local[var].values, err_msg=name)
+        pd.testing.assert_frame_equal(
+            pd.read_csv(workdir / f"results/stats/{name}.csv"),
+            pd.read_csv(demo_run / f"results/stats/{name}.csv"),
+        )
+    pd.testing.assert_frame_equal(
+        pd.read_csv(workdir / "results/stats/summary.csv"),
+        pd.read_csv(demo_run / "results/stats/summary.csv"),
+    )
+    assert (workdir / "results/figures/compare/checkpoints.svg").exists()
