@@ -9,6 +9,7 @@ from sinkscope.config import (
     demo_text_encoder_dir,
     extraction_gpus,
     extraction_settings,
+    is_demo_checkpoint,
     prompt_encoder,
     prompt_inputs,
     prompt_text,
@@ -42,6 +43,13 @@ COMPARE_FIGURES = expand(
 def token_store(path):
     """Token stores are temp() unless capture.keep_tokens: deleted once reduced."""
     return path if config["capture"]["keep_tokens"] else temp(path)
+
+
+def checkpoint_files_input(wildcards):
+    """A user's checkpoint files are ancient(): their sha256 in params decides reruns, not their
+    mtime. Demo checkpoints are outputs of this workflow, rerun by the usual rules."""
+    files = checkpoint_inputs(config, wildcards.checkpoint)
+    return files if is_demo_checkpoint(config, wildcards.checkpoint) else ancient(files)
 
 
 def one_of(names):

@@ -1,5 +1,5 @@
-# Checkpoint + prompt embeddings -> token store of one layer (Contract 1). Checkpoint files are
-# ancient(): their sha256 (in params, cached per file change) decides reruns, not their mtime.
+# Checkpoint + prompt embeddings -> token store of one layer (Contract 1). A checkpoint's sha256
+# (in params, cached per file change) decides reruns, not its files' mtime.
 
 
 rule extract:
@@ -17,7 +17,7 @@ rule extract:
     threads: 1
     resources:
         gpu=extraction_gpus(config),
-        mem_mb=lambda wildcards: extract_mem_mb(config, wildcards.checkpoint),
+        mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
         runtime=lambda wildcards: extract_runtime(config, wildcards.checkpoint),
     params:
         settings=lambda wildcards: extraction_settings(config, wildcards.checkpoint),

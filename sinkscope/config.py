@@ -41,6 +41,11 @@ def _is_demo_path(config: dict, path: str) -> bool:
     return Path(path).as_posix().rstrip("/") in made
 
 
+def is_demo_checkpoint(config: dict, name: str) -> bool:
+    """Whether checkpoint `name` is one the workflow makes itself (rule make_demo_checkpoint)."""
+    return _is_demo_path(config, config["checkpoints"][name]["base"])
+
+
 def checkpoint_inputs(config: dict, name: str) -> list[str]:
     """Files whose bytes define checkpoint `name`: the inputs of its extraction jobs."""
     entry = config["checkpoints"][name]
@@ -118,7 +123,7 @@ def checkpoint_content(config: dict, name: str, cache: str | Path = DIGEST_CACHE
     per change), or for a demo checkpoint the recipe its rule makes it from (its files may not
     exist yet when the workflow is parsed)."""
     entry = config["checkpoints"][name]
-    if _is_demo_path(config, entry["base"]):
+    if is_demo_checkpoint(config, name):
         demo = Path(entry["base"]).name
         return {
             "demo_seed": config["demo"]["checkpoints"][demo],

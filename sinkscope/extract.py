@@ -16,9 +16,8 @@ from . import __version__
 from .capture import LogitCapture
 from .config import resolve_passes
 from .digest import combine, sha256_file
-from .frames import block_sizes
+from .frames import block_sizes, token_store_bytes
 from .gpus import job_device
-from .resources import token_store_bytes
 from .sampling import Geometry, Schedule, rollout
 from .store import TokenStoreWriter
 from .wan.checkpoint import checkpoint_files, load_wan_model

@@ -5,6 +5,8 @@ Everything here is plain numpy so that the analysis stages never need torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -81,3 +83,17 @@ def video_frame_centers(num_latent_frames: int) -> np.ndarray:
     return np.array(
         [np.mean(video_frames_of_latent(k)) for k in range(num_latent_frames)], dtype=np.float64
     )
+
+
+def token_store_bytes(
+    *,
+    num_passes: int,
+    num_heads: int,
+    frame_seq_length: int,
+    sizes: Sequence[int],
+    local_attn_size: int,
+    sink_size: int,
+) -> int:
+    """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    return num_passes * num_heads * tiles * frame_seq_length**2 * 2

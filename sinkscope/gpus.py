@@ -4,8 +4,10 @@ With `--resources gpu=N` Snakemake runs up to N GPU jobs at once on a workstatio
 say which GPU each may use (it sets no CUDA_VISIBLE_DEVICES locally), so every job would land on
 cuda:0. Each job therefore claims one visible GPU with an exclusive `flock` on a per-GPU lock
 file: the kernel drops the lock when the process ends, however it ends, so a killed job never
-leaves a GPU claimed. Under SLURM the job's allocation is its own (SLURM sets
-CUDA_VISIBLE_DEVICES to the allocated GPUs), so the first GPU of it is used as is, without locks.
+leaves a GPU claimed. A SLURM job with one GPU uses it as is: the allocation is its own (SLURM
+sets CUDA_VISIBLE_DEVICES). An allocation with several (`salloc --gpus=4`, then a local
+`snakemake --resources gpu=4` inside it) is a workstation again: its jobs claim GPUs with locks
+kept apart per allocation, since every allocation numbers its GPUs from 0.
 
 SINKSCOPE_FAKE_GPUS=N pretends N GPUs exist and computes on the CPU: it exercises the claims and
 the scheduling on machines without GPUs (the tests and CI), and is recorded in the store.
@@ -19,15 +21,17 @@ import logging
 import os
 import re
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 LOCK_DIR_ENV = "SINKSCOPE_GPU_LOCK_DIR"
+# Fixed and machine-local, not $TMPDIR: Snakemake points TMPDIR at each job's tmpdir resource,
+# and every job and user on the machine must see the same locks.
+DEFAULT_LOCK_DIR = "/tmp/sinkscope-gpu-locks"
 FAKE_GPUS_ENV = "SINKSCOPE_FAKE_GPUS"
 _POLL_SECONDS = 0.5
 _WAIT_LOG_SECONDS = 60.0
@@ -43,7 +47,6 @@ class GpuClaim:
     claimed_by: str = "none"
     fake: bool = False
     lock_file: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         record = {
@@ -53,7 +56,6 @@ class GpuClaim:
             "claimed_by": self.claimed_by,
             "fake": self.fake,
             "host": socket.gethostname(),
-            **self.extra,
         }
         if self.lock_file is not None:
             record["lock_file"] = self.lock_file
@@ -65,14 +67,15 @@ class GpuClaim:
 
 def lock_dir() -> Path:
     """Machine-local lock folder shared by every user's jobs (sticky and world-writable)."""
-    folder = Path(
-        os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "sinkscope-gpu-locks"
-    )
-    if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(PermissionError):
-            folder.chmod(0o1777)
-    return folder
+    folders = [Path(os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)]
+    if "SLURM_JOB_ID" in os.environ:
+        folders.append(folders[0] / f"slurm-{os.environ['SLURM_JOB_ID']}")
+    for folder in folders:
+        if not folder.is_dir():
+            folder.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(PermissionError):
+                folder.chmod(0o1777)
+    return folders[-1]
 
 
 def fake_gpus() -> int:
@@ -106,6 +109,26 @@ def _lock_name(gpu_id: str) -> str:
     return "gpu-" + re.sub(r"[^A-Za-z0-9_.-]", "_", gpu_id) + ".lock"
 
 
+def _open_lock(path: Path) -> int:
+    """A read-only descriptor of the lock file (enough for flock), made world-readable if new.
+
+    Opened without O_CREAT first: with fs.protected_regular (systemd's default) an O_CREAT open
+    of another user's file in a sticky folder fails even read-only.
+    """
+    while True:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue  # another job made it just now
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o644)
+        return fd
+
+
 @contextlib.contextmanager
 def claim_gpu(gpu_ids: list[str], folder: Path | None = None) -> Iterator[tuple[int, Path]]:
     """Hold an exclusive lock on one of `gpu_ids` (the first free one) while the block runs.
@@ -121,8 +144,7 @@ def claim_gpu(gpu_ids: list[str], folder: Path | None = None) -> Iterator[tuple[
     while True:
         for index, gpu_id in enumerate(gpu_ids):
             path = folder / _lock_name(gpu_id)
-            # Read-only open suffices for flock, so lock files made by another user still work.
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+            fd = _open_lock(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,8 +195,8 @@ def job_device(spec: str = "auto") -> Iterator[GpuClaim]:
         yield GpuClaim(device="cpu")
         return
     gpu_ids = visible_gpu_ids(count)
-    if under_slurm():
-        # The allocation is this job's own: SLURM made only its GPUs visible.
+    if under_slurm() and count == 1:
+        # The allocation is this job's own: SLURM made only its GPU visible.
         yield GpuClaim(
             device="cpu" if fakes else "cuda:0",
             index=0,
@@ -184,6 +206,9 @@ def job_device(spec: str = "auto") -> Iterator[GpuClaim]:
         )
         return
     with claim_gpu(gpu_ids) as (index, path):
+        if not fakes:
+            # Code that uses the current device (not an explicit one) must not touch GPU 0.
+            torch.cuda.set_device(index)
         claim = GpuClaim(
             device="cpu" if fakes else f"cuda:{index}",
             index=index,

@@ -14,14 +14,13 @@ import os
 from collections.abc import Sequence
 
 from .config import (
-    checkpoint_inputs,
     extraction_gpus,
     model_config,
     prompt_encoder,
     resolve_passes,
     sampler_settings,
 )
-from .frames import block_sizes, visible_frames
+from .frames import block_sizes, token_store_bytes
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
 # 1.5 GB, reduce at 0.5 GB in the benchmarks).
@@ -31,21 +30,8 @@ ENCODE_BASE_MB = 4000
 # Rates for the runtime limit: a quarter to a third of what the benchmarks measured.
 WRITE_MB_PER_S = 50.0
 READ_MB_PER_S = 50.0
-SETUP_MINUTES = 15
-
-
-def token_store_bytes(
-    *,
-    num_passes: int,
-    num_heads: int,
-    frame_seq_length: int,
-    sizes: Sequence[int],
-    local_attn_size: int,
-    sink_size: int,
-) -> int:
-    """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
-    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
-    return num_passes * num_heads * tiles * frame_seq_length**2 * 2
+EXTRACT_SETUP_MINUTES = 15
+REDUCE_SETUP_MINUTES = 5
 
 
 def files_mb(paths: Sequence[str]) -> float:
@@ -70,20 +56,23 @@ def layer_store_bytes(config: dict, name: str) -> int:
     )
 
 
-def extract_mem_mb(config: dict, name: str) -> int:
-    # Pickled .pt checkpoints are read whole into host memory before they move to the GPU.
-    return int(EXTRACT_BASE_MB + 1.25 * files_mb(checkpoint_inputs(config, name)))
+def extract_mem_mb(input_mb: float) -> int:
+    """input_mb: the job's input files (the checkpoint, and prompt embeddings of kilobytes)."""
+    # Pickled .pt checkpoints are memory-mapped on the host before they move to the GPU; their
+    # pages count against the job's memory limit (cgroup) while they load.
+    return int(EXTRACT_BASE_MB + 1.25 * input_mb)
 
 
 def extract_runtime(config: dict, name: str) -> int:
     """Minutes: setup and rollout, plus the token store written at WRITE_MB_PER_S."""
     store_mb = layer_store_bytes(config, name) / 1e6
-    return SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
+    return EXTRACT_SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
 
 
 def reduce_runtime(config: dict, name: str) -> int:
     """Minutes: the token store read once at READ_MB_PER_S."""
-    return 5 + math.ceil(layer_store_bytes(config, name) / 1e6 / READ_MB_PER_S / 60)
+    store_mb = layer_store_bytes(config, name) / 1e6
+    return REDUCE_SETUP_MINUTES + math.ceil(store_mb / READ_MB_PER_S / 60)
 
 
 def encode_gpus(config: dict, prompt: str) -> int:

@@ -70,6 +70,17 @@ def test_under_slurm_the_allocation_is_used_as_is(monkeypatch, tmp_path):
     assert not (tmp_path / "locks").exists() or not list((tmp_path / "locks").iterdir())
 
 
+def test_an_allocation_with_several_gpus_is_shared_by_claims(monkeypatch, tmp_path):
+    # salloc --gpus=2, then a local snakemake --resources gpu=2 inside it.
+    monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with job_device("auto") as a, job_device("auto") as b:
+        assert {a.index, b.index} == {0, 1}
+        assert a.claimed_by == b.claimed_by == "lock"
+        assert "slurm-42" in a.lock_file
+
+
 def test_cpu_needs_no_claim():
     with job_device("cpu") as claim:
         assert claim.device == "cpu" and claim.claimed_by == "none"
@@ -130,7 +141,10 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
         "SINKSCOPE_GPU_LOCK_DIR": str(tmp_path / "locks"),
     }
     # Targets before --forcerun, which takes every word after it.
-    result = snakemake(workdir, *stores, "--resources", "gpu=2", "--forcerun", "extract", env=env)
+    # Four cores, two GPUs: only the gpu resource limits how many run at once.
+    result = snakemake(
+        workdir, *stores, "--cores", "4", "--resources", "gpu=2", "--forcerun", "extract", env=env
+    )
     runs = extraction_runs(workdir, stores)
     overlapping = overlaps(runs)
     assert overlapping, f"no two extraction jobs ran at once: {runs}\n{result.stderr}"
@@ -141,5 +155,5 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
         assert sum(s <= start < e for s, e, _ in runs) <= 2
 
     # The default profile (gpu: 1): the same two GPUs, one job at a time.
-    snakemake(workdir, *stores[:2], "--forcerun", "extract", env=env)
+    snakemake(workdir, *stores[:2], "--cores", "4", "--forcerun", "extract", env=env)
     assert overlaps(extraction_runs(workdir, stores[:2])) == []

@@ -10,6 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+import yaml
+from snakemake.utils import validate
+
+from sinkscope.config import checkpoint_inputs
+from sinkscope.resources import extract_mem_mb, extract_runtime
 
 from .slurmcluster import one_node_cluster, skip_unless_slurm
 from .workflowtools import copy_workflow, snakemake
@@ -72,6 +77,16 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     for record in rules["extract"] + rules["encode_prompt"]:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record
+    # Memory and time as the rule computed them from the sizes (sinkscope.resources), once the
+    # demo checkpoint they load existed.
+    config = yaml.safe_load((workdir / "config.yaml").read_text())
+    validate(config, str(workdir / "schemas/config.schema.yaml"))  # fills in the defaults
+    for record in rules["extract"]:
+        checkpoint, prompt, _ = record["Comment"].split("_wildcards_")[1].rsplit("_", 2)
+        inputs = [*checkpoint_inputs(config, checkpoint), f"results/prompts/{prompt}.safetensors"]
+        input_mb = sum((workdir / path).stat().st_size for path in inputs) / 1e6
+        assert record["MinMemoryNode"] == f"{extract_mem_mb(input_mb)}M"
+        assert record["TimeLimit"] == f"00:{extract_runtime(config, checkpoint):02d}:00"
     for record in rules["reduce"]:
         assert "gpu" not in record.get("TresPerJob", "") + record.get("JOB_GRES", "")
         assert record["MinMemoryNode"] == "3000M"
@@ -81,7 +96,8 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
         tokens = xr.open_zarr(workdir / f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")
         gpu = tokens.attrs["gpu"]
         assert gpu["claimed_by"] == "slurm" and gpu["slurm_job_id"] in extract_jobs
-        assert gpu["visible_id"] in {"0", "1"}
+        # The one GPU SLURM made visible to the job, as the job's environment named it.
+        assert gpu["visible_id"] == gpu["cuda_visible_devices"] and gpu["visible_id"] in {"0", "1"}
 
 
 def test_slurm_results_equal_a_local_run(slurm_run, demo_run):
