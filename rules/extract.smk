@@ -4,9 +4,7 @@
 
 rule extract:
     input:
-        checkpoint=lambda wildcards: ancient(
-            checkpoint_inputs(config, wildcards.checkpoint)
-        ),
+        checkpoint=checkpoint_files_input,
         prompt="results/prompts/{prompt}.safetensors",
     output:
         token_store(directory("results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")),
