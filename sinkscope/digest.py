@@ -106,7 +106,7 @@ def _write(cache: Path, entries: dict) -> None:
 def cached_sha256(paths: Iterable[str | Path], cache: str | Path = DIGEST_CACHE) -> str:
     """sha256 of the bytes of `paths` (one digest per file, combined in order), cached in `cache`.
 
-    A file is read only when its (size, mtime, inode, device) differs from the cached entry.
+    A file is read only when its (size, mtime, inode) differs from the cached entry.
     """
     cache = Path(cache)
     paths = [Path(p) for p in paths]

@@ -68,7 +68,7 @@ class GpuClaim:
 def lock_dir() -> Path:
     """Machine-local lock folder shared by every user's jobs (sticky and world-writable)."""
     folders = [Path(os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)]
-    if "SLURM_JOB_ID" in os.environ:
+    if under_slurm():
         folders.append(folders[0] / f"slurm-{os.environ['SLURM_JOB_ID']}")
     for folder in folders:
         if not folder.is_dir():

@@ -35,7 +35,7 @@ REDUCE_SETUP_MINUTES = 5
 
 
 def files_mb(paths: Sequence[str]) -> float:
-    """Size of the files that exist (a demo checkpoint does not until its rule runs)."""
+    """Size of the files that exist (the demo text encoder does not until its rule runs)."""
     return sum(os.path.getsize(path) for path in paths if os.path.isfile(path)) / 1e6
 
 

@@ -126,7 +126,7 @@ def test_checkpoint_bytes_not_timestamps_decide_reruns(keep_going, tmp_path):
 
 
 def test_a_remade_demo_checkpoint_reruns_its_extractions(demo_run, tmp_path):
-    """Demo checkpoints are outputs of the workflow, not ancient(): remaking one re-runs its jobs."""
+    """Demo checkpoints are workflow outputs, not ancient(): remaking one re-runs its jobs."""
     workdir = demo_copy(demo_run, tmp_path / "w")
     planned = planned_jobs(workdir, "--forcerun", "make_demo_checkpoint")
     assert {w for r, w in planned if r == "extract"} == {
