@@ -54,7 +54,7 @@ LOGICAL_BYTES_TARGET = 4e9  # "while writing several GB": at least this many log
 
 
 def geometry():
-    from sinkscope.sampling import Geometry
+    from sinkscope.extraction.sampling import Geometry
 
     return Geometry(
         num_frames=NUM_FRAMES,
@@ -96,7 +96,7 @@ def visible_tiles_per_pass(heads: int) -> int:
 
 
 def store_params(heads: int, passes: list[int], frame_seq_length: int) -> dict:
-    from sinkscope.sampling import SELF_FORCING
+    from sinkscope.extraction.sampling import SELF_FORCING
 
     timesteps = SELF_FORCING.pass_timesteps()
     kinds = SELF_FORCING.pass_kinds()
@@ -147,7 +147,7 @@ class CountingWriter:
 def run_rollout(args) -> dict:
     import torch
 
-    from sinkscope.sampling import SELF_FORCING, rollout
+    from sinkscope.extraction.sampling import SELF_FORCING, rollout
 
     model, text = build_model(args.heads, args.layers, args.seed)
     rss_before = current_rss()
@@ -164,10 +164,10 @@ def run_rollout(args) -> dict:
 
 
 def run_capture(args) -> dict:
-    from sinkscope.capture import LogitCapture
-    from sinkscope.config import resolve_passes
-    from sinkscope.sampling import SELF_FORCING, rollout
-    from sinkscope.store import TokenStoreWriter
+    from sinkscope.extraction.capture import LogitCapture
+    from sinkscope.extraction.sampling import SELF_FORCING, rollout
+    from sinkscope.extraction.store import TokenStoreWriter
+    from sinkscope.passes import resolve_passes
 
     model, text = build_model(args.heads, args.layers, args.seed)
     cfg = model.config
@@ -216,10 +216,11 @@ def run_plain(args) -> dict:
     store, all heads and passes reuse them."""
     import zarr
 
-    from sinkscope.config import resolve_passes
+    from sinkscope.extraction.sampling import SELF_FORCING
+    from sinkscope.extraction.store import TokenStoreWriter
     from sinkscope.frames import block_starts
-    from sinkscope.sampling import SELF_FORCING
-    from sinkscope.store import TokenStoreWriter, tune_zarr
+    from sinkscope.passes import resolve_passes
+    from sinkscope.storage import tune_zarr
 
     tune_zarr()
     source = zarr.open_group(args.source, mode="r")["logits"]
@@ -395,8 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         args.result.write_text(json.dumps(MODES[args.mode](args)))
         return
 
-    from sinkscope.config import resolve_passes
-    from sinkscope.sampling import SELF_FORCING
+    from sinkscope.extraction.sampling import SELF_FORCING
+    from sinkscope.passes import resolve_passes
 
     resolve_passes(pass_spec(args.passes), len(SELF_FORCING.steps))  # a bad spec fails here
     if args.workdir is not None:

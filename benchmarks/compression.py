@@ -1,7 +1,8 @@
 """Benchmark: candidate codecs for the token store's logits array, in its real layout.
 
-Layout as in sinkscope.store: float16, chunks (1, 1, T, T), shards (1, 1, T, N) with T = 1560 and
-N = 21 T, fill value NaN, `write_empty_chunks` off, zarr tuned with sinkscope.store.tune_zarr().
+Layout as in sinkscope.extraction.store: float16, chunks (1, 1, T, T), shards (1, 1, T, N) with
+T = 1560 and N = 21 T, fill value NaN, `write_empty_chunks` off, zarr tuned with
+sinkscope.storage.tune_zarr().
 Seven rows are written, one per block of a 21-frame, 7-block rollout: the last query frame of
 block b sees 3 (b + 1) key frames, so 84 visible tiles (409 MB of float16) per codec and data set.
 
@@ -17,8 +18,8 @@ For each codec and data set: compression ratio (logical bytes of the visible til
 shard files), write throughput in MB/s of logical bytes, (a) as TokenStoreWriter writes today, one
 NaN-padded (T, N) row per shard, and (b) writing only the visible tiles of the row (a partial
 selection of the same shard, `write_empty_chunks` on), then read + decompress throughput of whole
-(T, N) rows as sinkscope.reduce reads them; throughputs are the best of --repeat runs. Files land
-in the page cache: this measures the codec and zarr, not the disk. Not a test.
+(T, N) rows as sinkscope.analysis.reduce reads them; throughputs are the best of --repeat runs.
+Files land in the page cache: this measures the codec and zarr, not the disk. Not a test.
 
     python benchmarks/compression.py
     python benchmarks/compression.py --from-store /tmp/.../capture.zarr
@@ -38,7 +39,8 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from sinkscope.store import logits_codec, tune_zarr
+from sinkscope.extraction.store import logits_codec
+from sinkscope.storage import tune_zarr
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
 NUM_FRAMES, FRAMES_PER_BLOCK = 21, 3
@@ -66,7 +68,7 @@ def candidate_codecs() -> dict[str, object]:
 
 
 def default_codec_name(codecs: dict[str, object]) -> str | None:
-    """The candidate that is sinkscope.store's current codec."""
+    """The candidate that is sinkscope.extraction.store's current codec."""
     current = logits_codec().to_dict()
     for name, codec in codecs.items():
         if codec is not None and codec.to_dict() == current:
@@ -131,8 +133,8 @@ def model_rows(heads: int, seed: int) -> Rows:
     """Logits of a narrow random Wan DiT, real geometry, one block (3 frames), two passes."""
     import torch
 
-    from sinkscope.capture import LogitCapture
-    from sinkscope.sampling import SELF_FORCING, Geometry, rollout
+    from sinkscope.extraction.capture import LogitCapture
+    from sinkscope.extraction.sampling import SELF_FORCING, Geometry, rollout
     from sinkscope.wan.config import WanConfig
     from sinkscope.wan.model import WanModel
 
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     best = recommend(all_results)
     fastest = max(all_results[next(iter(all_results))], key=lambda n: slowest_write(all_results, n))
-    print(f"\n* = sinkscope.store.logits_codec() today: {default}")
+    print(f"\n* = sinkscope.extraction.store.logits_codec() today: {default}")
     print(
         f"recommended: {best} (the fastest visible-tile writer, on its slowest data set, among "
         f"the codecs that save >= {MIN_SAVING:.0%} of the bytes on every data set); fastest of "

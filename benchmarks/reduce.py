@@ -1,10 +1,10 @@
-"""Benchmark: token store -> frame dataset (sinkscope.reduce) at real token geometry on CPU.
+"""Benchmark: token store -> frame dataset (sinkscope.analysis.reduce) at real geometry on CPU.
 
 A token store at the real geometry (DESIGN.md, "Scale, on paper"): T = 1560 tokens per latent
 frame, 21 latent frames in 7 blocks of 3, block-causal visibility. It is built without a model:
 rank-structured logits q k^T / sqrt(head_dim) from random q, k (head_dim 16) with a per-key-frame
 bias (a strong sink on frame 0), computed per row in float32, rounded to float16 and written with
-`sinkscope.store.TokenStoreWriter` (visible tiles only), together with the pooled
+`sinkscope.extraction.store.TokenStoreWriter` (visible tiles only), together with the pooled
 (mean q).(mean k) / sqrt(head_dim) that the reducer cross-checks, exactly as the capture writes
 them. One head and one pass is 252 visible (T, T) tiles = 1.23 GB of float16; the default
 4 heads x 1 pass is 4.91 GB.
@@ -13,7 +13,7 @@ Three measurements, each in its own subprocess so that peak memories do not mix:
 
 - read: every shard row of the logits read and decompressed with zarr (same thread count as the
   reduction), then discarded: the floor for any reduction of these bytes;
-- reduce: `sinkscope.reduce.reduce_token_store` on the store;
+- reduce: `sinkscope.analysis.reduce.reduce_token_store` on the store;
 - naive: the seeds' style: one step of the logits loaded whole into numpy (float16 -> float32),
   then a Python loop over query frames (row softmax) and key frames (mean logit and softmax mass
   per tile), timed on `--naive-heads` heads (default 1) and scaled to all heads.
@@ -128,7 +128,7 @@ def random_qk(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 
 def run_build(args) -> dict:
     """Write the token store with TokenStoreWriter, one row (query frame) at a time."""
-    from sinkscope.store import TokenStoreWriter
+    from sinkscope.extraction.store import TokenStoreWriter
 
     sizes = block_sizes()
     seen = visible()
@@ -196,7 +196,7 @@ def run_read(args) -> dict:
 
     import zarr
 
-    from sinkscope.store import tune_zarr
+    from sinkscope.storage import tune_zarr
 
     tune_zarr()
     logits = zarr.open_group(args.store, mode="r")["logits"]
@@ -227,7 +227,7 @@ def run_reduce(args) -> dict:
 
     import xarray as xr
 
-    from sinkscope.reduce import reduce_token_store
+    from sinkscope.analysis.reduce import reduce_token_store
 
     # xarray's consolidated metadata: zarr warns that it is not in the v3 spec yet.
     warnings.filterwarnings("ignore", message="Consolidated metadata")
@@ -277,7 +277,7 @@ def run_naive(args) -> dict:
     import xarray as xr
     import zarr
 
-    from sinkscope.store import tune_zarr
+    from sinkscope.storage import tune_zarr
 
     tune_zarr()
     logits = zarr.open_group(args.store, mode="r")["logits"]

@@ -1,20 +1,22 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
 import re
 
-from sinkscope.config import (
-    canonical,
+from sinkscope.workflow.checks import check_config
+from sinkscope.workflow.entries import (
     ConfigError,
-    check_config,
     checkpoint_inputs,
     demo_text_encoder_dir,
-    extraction_gpus,
-    extraction_settings,
     is_demo_checkpoint,
-    prompt_encoder,
-    prompt_inputs,
     prompt_text,
 )
-from sinkscope.resources import (
+from sinkscope.workflow.params import (
+    canonical,
+    extraction_gpus,
+    extraction_settings,
+    prompt_encoder,
+    prompt_inputs,
+)
+from sinkscope.workflow.resources import (
     REDUCE_MB,
     encode_gpus,
     encode_mem_mb,

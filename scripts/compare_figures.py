@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from sinkscope.analysis.plots import render_compare_figures
 from sinkscope.logs import job_log
-from sinkscope.plots import render_compare_figures
 
 with job_log(snakemake.log[0]):
     options = snakemake.params.figures

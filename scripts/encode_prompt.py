@@ -1,8 +1,8 @@
 """Snakemake adapter: rule encode_prompt (encode the text, or import precomputed embeddings)."""
 
-from sinkscope.gpus import job_device
 from sinkscope.logs import job_log
 from sinkscope.wan.text import encode_prompt, import_prompt_embedding, save_prompt_embedding
+from sinkscope.workflow.gpus import job_device
 
 with job_log(snakemake.log[0]):
     text = snakemake.params.text

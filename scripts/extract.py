@@ -2,7 +2,7 @@
 
 import torch
 
-from sinkscope.extract import extract
+from sinkscope.extraction.job import extract
 from sinkscope.logs import job_log
 
 torch.set_num_threads(snakemake.threads)

@@ -1,7 +1,7 @@
 """Snakemake adapter: rule reduce."""
 
+from sinkscope.analysis.reduce import reduce_token_store
 from sinkscope.logs import job_log
-from sinkscope.reduce import reduce_token_store
 
 with job_log(snakemake.log[0]):
     reduce_token_store(snakemake.input[0], snakemake.output[0], threads=snakemake.threads)

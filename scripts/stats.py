@@ -1,7 +1,7 @@
 """Snakemake adapter: rule stats."""
 
+from sinkscope.analysis.stats import write_stats
 from sinkscope.logs import job_log
-from sinkscope.stats import write_stats
 
 with job_log(snakemake.log[0]):
     options = snakemake.params.stats

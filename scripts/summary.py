@@ -1,7 +1,7 @@
 """Snakemake adapter: rule summary."""
 
+from sinkscope.analysis.stats import write_summary
 from sinkscope.logs import job_log
-from sinkscope.stats import write_summary
 
 with job_log(snakemake.log[0]):
     write_summary(

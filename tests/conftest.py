@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinkscope.sampling import Geometry
+from sinkscope.extraction.sampling import Geometry
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
 

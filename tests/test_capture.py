@@ -11,12 +11,12 @@ import pytest
 import torch
 import xarray as xr
 
-from sinkscope.capture import LogitCapture
-from sinkscope.config import resolve_passes
-from sinkscope.extract import extract
+from sinkscope.extraction.capture import LogitCapture
+from sinkscope.extraction.job import extract
+from sinkscope.extraction.sampling import SELF_FORCING, rollout
+from sinkscope.extraction.store import TokenStoreWriter, partial_path
 from sinkscope.frames import block_starts, visible_frames
-from sinkscope.sampling import SELF_FORCING, rollout
-from sinkscope.store import TokenStoreWriter, partial_path
+from sinkscope.passes import resolve_passes
 from sinkscope.wan.checkpoint import save_wan_model
 from sinkscope.wan.text import save_prompt_embedding
 
@@ -255,7 +255,7 @@ def test_extraction_fails_early_without_disk_space(tmp_path, monkeypatch):
 def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text):
     """12 frames through a 6-frame window with 2 sink frames: NaN exactly where the frame-level
     simulation of the cache says a key frame was evicted or not yet written."""
-    from sinkscope.sampling import Geometry
+    from sinkscope.extraction.sampling import Geometry
 
     geometry = Geometry(num_frames=12, frames_per_block=2, latent_height=4, latent_width=6)
     model = make_tiny_model(seed=5)
@@ -295,7 +295,7 @@ def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text)
 
 
 def test_pooled_frame_logits_equal_the_token_reduction(tmp_path, tiny_model, tiny_text):
-    from sinkscope.reduce import reduce_token_store
+    from sinkscope.analysis.reduce import reduce_token_store
 
     store = tmp_path / "layer1.zarr"
     _capture_rollout(tiny_model, tiny_text, store, 1, local_attn_size=4, sink_size=2)
@@ -318,7 +318,7 @@ def test_pooled_frame_logits_equal_the_token_reduction(tmp_path, tiny_model, tin
 def test_reducer_refuses_logits_that_disagree_with_the_pooled_ones(tmp_path, tiny_model, tiny_text):
     import zarr
 
-    from sinkscope.reduce import reduce_token_store
+    from sinkscope.analysis.reduce import reduce_token_store
 
     store = tmp_path / "layer1.zarr"
     _capture_rollout(tiny_model, tiny_text, store, 1)
@@ -331,8 +331,8 @@ def test_reducer_refuses_logits_that_disagree_with_the_pooled_ones(tmp_path, tin
 
 
 def test_frame_logits_without_tokens(tmp_path, tiny_model, tiny_text):
-    from sinkscope.reduce import reduce_token_store
-    from sinkscope.stats import frame_statistics
+    from sinkscope.analysis.reduce import reduce_token_store
+    from sinkscope.analysis.stats import frame_statistics
 
     with_tokens, without = tmp_path / "a.zarr", tmp_path / "b.zarr"
     _capture_rollout(tiny_model, tiny_text, with_tokens, 1)

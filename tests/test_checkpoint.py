@@ -9,15 +9,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sinkscope.config import ConfigError, checkpoint_inputs
 from sinkscope.wan.checkpoint import (
     CheckpointError,
+    CheckpointSpec,
     diffusers_to_wan_key,
     load_wan_model,
     read_generator,
     save_wan_model,
 )
 from sinkscope.wan.layout import INDEX_NAME, WEIGHTS_NAME, checkpoint_files, read_model_config
+from sinkscope.workflow.entries import ConfigError, checkpoint_inputs
 
 from .conftest import TINY, make_tiny_model
 
@@ -138,15 +139,15 @@ def test_self_forcing_pt_chooses_ema_or_generator(tmp_path):
     pt = tmp_path / "self_forcing_dmd.pt"
     _generator_file(pt, generator_ema=ema, generator=raw)
     for use_ema, want in ((True, ema), (False, raw)):
-        loaded = load_wan_model(base, generator=pt, ema=use_ema)
+        loaded = load_wan_model(CheckpointSpec(str(base), str(pt), use_ema))
         for key, value in want.state_dict().items():
             assert torch.equal(loaded.state_dict()[key], value), key
     # CausVid: model.pt with `generator` only; asking for EMA names what the file has.
     causvid = tmp_path / "model.pt"
     _generator_file(causvid, generator=raw)
-    load_wan_model(base, generator=causvid, ema=False)
+    load_wan_model(CheckpointSpec(str(base), str(causvid), ema=False))
     with pytest.raises(CheckpointError, match=r"no 'generator_ema' entry.*\['generator'\]"):
-        load_wan_model(base, generator=causvid, ema=True)
+        load_wan_model(CheckpointSpec(str(base), str(causvid), ema=True))
     # Only the base config and the .pt define such a checkpoint.
     assert checkpoint_files(base, pt) == [base / "config.json", pt]
 
@@ -197,13 +198,13 @@ def test_truncated_and_mismatched_files_fail_naming_the_problem(tmp_path):
         CheckpointError,
         match=r"missing \['blocks.1.ffn.0.bias'\].*unexpected \['blocks.9.extra.weight'\]",
     ):
-        load_wan_model(base, generator=tmp_path / "keys.pt")
+        load_wan_model(CheckpointSpec(str(base), str(tmp_path / "keys.pt")))
 
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     state["model.head.head.weight"] = torch.zeros(3, 3)
     torch.save({"generator_ema": state}, tmp_path / "shapes.pt")
     with pytest.raises(CheckpointError, match=r"wrong shapes: \['head.head.weight: file \[3, 3\]"):
-        load_wan_model(base, generator=tmp_path / "shapes.pt")
+        load_wan_model(CheckpointSpec(str(base), str(tmp_path / "shapes.pt")))
 
 
 def test_real_1_3b_configs_of_both_formats(tmp_path):

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from sinkscope import digest
-from sinkscope.digest import cached_sha256
+from sinkscope.workflow import digest
+from sinkscope.workflow.digest import cached_sha256
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sinkscope.gpus import claim_gpu, job_device, visible_gpu_ids
+from sinkscope.workflow.gpus import claim_gpu, job_device, visible_gpu_ids
 
 
 @pytest.fixture(autouse=True)

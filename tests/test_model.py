@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from sinkscope.extraction.sampling import CAUSVID, SELF_FORCING, Geometry, Schedule, rollout
 from sinkscope.frames import block_starts, visible_frames
-from sinkscope.sampling import CAUSVID, SELF_FORCING, Geometry, Schedule, rollout
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel, block_causal_mask
 from sinkscope.wan.rope import apply_rope, rope_angles
@@ -206,7 +206,7 @@ def test_model_calls_per_three_frame_block(tiny_model, tiny_text, schedule, call
 
 
 def test_precision_follows_the_reference():
-    from sinkscope.extract import model_dtype
+    from sinkscope.extraction.job import model_dtype
     from sinkscope.wan.model import timestep_sinusoid
 
     assert model_dtype(torch.device("cuda")) == torch.bfloat16

@@ -15,7 +15,8 @@ from matplotlib.collections import QuadMesh
 from matplotlib.container import BarContainer
 from matplotlib.text import Annotation
 
-from sinkscope import frames, plots
+from sinkscope import frames
+from sinkscope.analysis import plots
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
 PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]

@@ -1,4 +1,4 @@
-"""sinkscope.reduce against a plain numpy brute force on tiny token stores."""
+"""sinkscope.analysis.reduce against a plain numpy brute force on tiny token stores."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import xarray as xr
 import zarr
 
-import sinkscope.reduce as reduce_module
+import sinkscope.analysis.reduce as reduce_module
+from sinkscope.analysis.reduce import open_frame_dataset, reduce_rows, reduce_token_store
 from sinkscope.frames import visible_frames
-from sinkscope.reduce import open_frame_dataset, reduce_rows, reduce_token_store
 from tests.storefixtures import random_block_causal_logits, write_token_store
 
 T = 6

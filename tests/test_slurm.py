@@ -13,8 +13,8 @@ import xarray as xr
 import yaml
 from snakemake.utils import validate
 
-from sinkscope.config import checkpoint_inputs
-from sinkscope.resources import extract_mem_mb, extract_runtime
+from sinkscope.workflow.entries import checkpoint_inputs
+from sinkscope.workflow.resources import extract_mem_mb, extract_runtime
 
 from .slurmcluster import one_node_cluster, skip_unless_slurm
 from .workflowtools import copy_workflow, snakemake
@@ -77,8 +77,8 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     for record in rules["extract"] + rules["encode_prompt"]:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record
-    # Memory and time as the rule computed them from the sizes (sinkscope.resources), once the
-    # demo checkpoint they load existed.
+    # Memory and time as the rule computed them from the sizes (sinkscope.workflow.resources),
+    # once the demo checkpoint they load existed.
     config = yaml.safe_load((workdir / "config.yaml").read_text())
     validate(config, str(workdir / "schemas/config.schema.yaml"))  # fills in the defaults
     for record in rules["extract"]:

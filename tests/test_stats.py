@@ -1,4 +1,4 @@
-"""sinkscope.stats against numbers worked out by hand on a 4-frame, 2-block dataset."""
+"""sinkscope.analysis.stats against numbers worked out by hand on a 4-frame, 2-block dataset."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from sinkscope.stats import (
+from sinkscope.analysis.stats import (
     COLUMNS,
     frame_statistics,
     sink_rate,
@@ -396,7 +396,7 @@ def _class_dataset() -> xr.Dataset:
 
 
 def test_importance_head_class_and_sink_rate_by_hand():
-    from sinkscope.stats import sink_rates
+    from sinkscope.analysis.stats import sink_rates
 
     ds = _class_dataset()
     table = frame_statistics(ds, sink_threshold=0.3, recent_threshold=0.5)
@@ -424,7 +424,7 @@ def test_importance_head_class_and_sink_rate_by_hand():
 
 
 def test_summary_writes_sink_rates(tmp_path):
-    from sinkscope.stats import write_summary
+    from sinkscope.analysis.stats import write_summary
 
     table = frame_statistics(_class_dataset())
     table.to_csv(tmp_path / "a.csv", index=False)

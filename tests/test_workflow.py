@@ -102,7 +102,7 @@ def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path)
     job.wait()
     # Snakemake removed the old output before the job; nothing at the output path now.
     assert not (workdir / target).exists()
-    from sinkscope.reduce import reduce_token_store
+    from sinkscope.analysis.reduce import reduce_token_store
 
     with pytest.raises(ValueError, match="not marked complete"):
         reduce_token_store(partial, tmp_path / "frames.zarr")

@@ -17,19 +17,21 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sinkscope.storage import atomic_path, write_text_atomically
+
 from .layout import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     CheckpointError,
-    checkpoint_files,
     is_diffusers,
     read_config_json,
     read_model_config,
     weight_files,
 )
 from .model import WanModel
+from .spec import CheckpointSpec
 
-__all__ = ["CheckpointError", "checkpoint_files", "load_wan_model", "save_wan_model"]
+__all__ = ["CheckpointError", "CheckpointSpec", "load_wan_model", "save_wan_model"]
 
 # diffusers -> original Wan names (the inverse of diffusers' convert_wan_to_diffusers table).
 # Applied in order to the key with "blocks.N." removed; first match wins.
@@ -143,31 +145,32 @@ def _check_keys(model: WanModel, state: dict[str, torch.Tensor], source: str) ->
 
 
 def load_wan_model(
-    base_dir: str | Path,
+    spec: CheckpointSpec | str | Path,
     *,
-    generator: str | Path | None = None,
-    ema: bool = True,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> WanModel:
-    """Build the DiT from the folder's config.json and load its weights straight onto `device`.
+    """Build the DiT from the spec's config.json and load its weights straight onto `device`.
 
-    `base_dir`: a Wan or diffusers folder (see `layout.py`). With `generator`, the `.pt` file's DiT
-    replaces the base weights (it must be complete); the folder then only supplies the config.
+    `spec.base`: a Wan or diffusers folder (see `layout.py`); a plain path means just that folder.
+    With `spec.generator`, the `.pt` file's DiT (`generator_ema` if `spec.ema`) replaces the base
+    weights (it must be complete); the folder then only supplies the config.
     """
-    cfg = read_model_config(base_dir)
+    if not isinstance(spec, CheckpointSpec):
+        spec = CheckpointSpec(base=str(spec))
+    cfg = read_model_config(spec.base)
     with torch.device("meta"):
         model = WanModel(cfg)
-    if generator is not None:
-        state = read_generator(generator, ema=ema)
-        source = f"{generator} ({'generator_ema' if ema else 'generator'})"
+    if spec.generator is not None:
+        state = read_generator(spec.generator, ema=spec.ema)
+        source = f"{spec.generator} ({'generator_ema' if spec.ema else 'generator'})"
     else:
         state = {}
-        for path in weight_files(base_dir):
+        for path in weight_files(spec.base):
             state.update(read_safetensors(path, device))
-        if is_diffusers(read_config_json(base_dir)):
+        if is_diffusers(read_config_json(spec.base)):
             state = {diffusers_to_wan_key(k): v for k, v in state.items()}
-        source = str(base_dir)
+        source = str(spec.base)
     _check_keys(model, state, source)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -178,6 +181,9 @@ def save_wan_model(model: WanModel, out_dir: str | Path) -> None:
     """Write `config.json` + `diffusion_pytorch_model.safetensors` in Wan's original layout."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    with atomic_path(out_dir / WEIGHTS_NAME) as temporary:
+        save_file(state, str(temporary), metadata={"format": "pt"})
+    write_text_atomically(
+        out_dir / CONFIG_NAME, json.dumps(model.config.to_dict(), indent=2) + "\n"
+    )

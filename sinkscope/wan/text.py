@@ -22,6 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from sinkscope.storage import atomic_path
+
 if TYPE_CHECKING:
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -234,15 +236,12 @@ def save_prompt_embedding(
     path: str | Path, embeds: torch.Tensor, *, prompt: str, length: int
 ) -> None:
     """Write embeddings as safetensors, with the prompt and its token count as metadata."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(
-        {EMBEDDINGS_KEY: embeds.contiguous()},
-        str(tmp),
-        metadata={"prompt": prompt, "length": str(length)},
-    )
-    tmp.replace(path)
+    with atomic_path(path) as temporary:
+        save_file(
+            {EMBEDDINGS_KEY: embeds.contiguous()},
+            str(temporary),
+            metadata={"prompt": prompt, "length": str(length)},
+        )
 
 
 def load_prompt_embedding(

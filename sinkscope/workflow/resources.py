@@ -13,14 +13,11 @@ import math
 import os
 from collections.abc import Sequence
 
-from .config import (
-    extraction_gpus,
-    model_config,
-    prompt_encoder,
-    resolve_passes,
-    sampler_settings,
-)
-from .frames import block_sizes, token_store_bytes
+from sinkscope.frames import block_sizes, token_store_bytes
+from sinkscope.passes import resolve_passes
+
+from .entries import model_config, sampler_settings
+from .params import extraction_gpus, prompt_encoder
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
 # 1.5 GB, reduce at 0.5 GB in the benchmarks).

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .frames import block_sizes, block_starts
+from sinkscope.frames import block_sizes, block_starts
 
 NUM_TRAIN_TIMESTEPS = 1000
 

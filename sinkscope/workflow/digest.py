@@ -19,11 +19,12 @@ import fcntl
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from sinkscope.storage import atomic_path
 
 DIGEST_CACHE = ".snakemake/sinkscope/sha256.json"
 _CHUNK_BYTES = 1 << 24
@@ -97,10 +98,9 @@ def _read(cache: Path) -> dict:
 
 
 def _write(cache: Path, entries: dict) -> None:
-    partial = cache.with_name(f"{cache.name}.{socket.gethostname()}.{os.getpid()}.partial")
-    with open(partial, "w") as handle:
-        json.dump(entries, handle, indent=1, sort_keys=True)
-    os.replace(partial, cache)
+    # Unique temporaries: jobs on several nodes may rewrite the cache at once without flock.
+    with atomic_path(cache, unique=True) as temporary:
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
 
 
 def cached_sha256(paths: Iterable[str | Path], cache: str | Path = DIGEST_CACHE) -> str:

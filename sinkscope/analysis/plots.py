@@ -28,6 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
+from sinkscope.storage import atomic_path
 
 MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
 PROFILE_LABELS = {
@@ -854,13 +855,10 @@ def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
     """Write atomically (temporary file, then rename): a failed run leaves no partial figure."""
     _check_choice("fmt", fmt, FORMATS)
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
     try:
-        with _style():
+        with _style(), atomic_path(path) as temporary:
             fig.savefig(temporary, format=fmt, metadata=_SAVE_METADATA[fmt])
-        os.replace(temporary, path)
     finally:
-        temporary.unlink(missing_ok=True)
         fig.clear()  # release the artists now; callers do not reuse a saved figure
     return path
 

@@ -9,7 +9,6 @@ the key frames with visible logits are touched, a few rows at a time (benchmarks
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import dask
@@ -18,7 +17,7 @@ import numpy as np
 import xarray as xr
 
 from sinkscope.frames import block_of_frame, token_frames
-from sinkscope.store import tune_zarr
+from sinkscope.storage import atomic_path, tune_zarr
 
 LOGIT_DIMS = ("step", "head", "query_token", "key_token")
 FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
@@ -287,7 +286,8 @@ def reduce_token_store(
         raise FileNotFoundError(f"token store {token_store} is not a zarr v3 group")
     with xr.open_zarr(token_store, chunks=None) as ds:  # lazy: nothing read yet
         result = _reduce_dataset(token_store, ds, threads)
-    _write_atomically(result, out)
+    with atomic_path(out) as temporary:
+        result.to_zarr(temporary, mode="w", zarr_format=3, consolidated=True)
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
@@ -371,21 +371,6 @@ def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None
             f"logit_mean from the token logits differs from the pooled q.k by {difference:.3g} "
             f"(> {tolerance:.3g}): the stored logits are not what the model computed",
         )
-
-
-def _write_atomically(result: xr.Dataset, out: Path) -> None:
-    tmp = out.parent / (out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        result.to_zarr(tmp, mode="w", zarr_format=3, consolidated=True)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:

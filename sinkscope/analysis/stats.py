@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
-from sinkscope.reduce import open_frame_dataset
+from sinkscope.analysis.reduce import open_frame_dataset
+from sinkscope.storage import write_text_atomically
 
 MEASURES = ("logit_mean", "prob_mass")
 QUERY_MODES = ("last_block", "each_block", "each_frame")
@@ -180,20 +180,8 @@ def frame_statistics(
     return table
 
 
-def _write_text_atomically(text: str, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _write_csv_atomically(table: pd.DataFrame, csv_path: str | os.PathLike) -> None:
-    _write_text_atomically(table.to_csv(index=False), csv_path)
+    write_text_atomically(csv_path, table.to_csv(index=False))
 
 
 def write_stats(
@@ -252,7 +240,7 @@ def write_summary(
     _write_csv_atomically(summary, out_csv)
     if html_table is not None:
         means = summary[summary["aggregate"] == "mean"].drop(columns=["prompt", "aggregate"])
-        _write_text_atomically(means.to_html(index=False, float_format="%.4g"), html_table)
+        write_text_atomically(html_table, means.to_html(index=False, float_format="%.4g"))
     if sink_rate_csv is not None:
         _write_csv_atomically(sink_rates(pd.concat(tables), sink_threshold), sink_rate_csv)
 

@@ -1,0 +1,280 @@
+"""One extraction job: load a checkpoint, plan its token stores, roll out a prompt and capture the
+logits of some layers into them (`extract`, in those three steps)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from sinkscope import __version__
+from sinkscope.frames import token_store_bytes
+from sinkscope.passes import resolve_passes
+from sinkscope.wan.checkpoint import CheckpointSpec, load_wan_model
+from sinkscope.wan.config import WanConfig
+from sinkscope.wan.text import load_prompt_embedding
+from sinkscope.workflow.digest import combine, sha256_file
+from sinkscope.workflow.gpus import job_device
+
+from .capture import LogitCapture
+from .sampling import Geometry, Schedule, rollout
+from .store import TokenStoreWriter
+
+log = logging.getLogger(__name__)
+
+
+def model_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPU as Self-Forcing runs; fp32 on CPU, where bf16 matmuls are slow and lossy."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_free_space(paths: Sequence[Path], needed: int) -> None:
+    """Fail before any compute when the filesystem of `paths` cannot hold `needed` bytes."""
+    folder = Path(paths[0]).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    log.info(
+        "will write up to %.2f GB (uncompressed) to %s; %.2f GB free",
+        needed / 1e9,
+        folder,
+        free / 1e9,
+    )
+    if free < needed:
+        raise OSError(
+            f"{folder}: {free / 1e9:.2f} GB free, but the token stores need up to "
+            f"{needed / 1e9:.2f} GB (uncompressed float16 logits of the visible tiles); free space "
+            "or capture fewer passes (capture.passes)"
+        )
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What one rollout computes and captures, from the job's settings and the model's config."""
+
+    geometry: Geometry
+    schedule: Schedule
+    local_attn_size: int
+    sink_size: int
+    seed: int
+    passes: list[int]  # captured pass indices within a block (sinkscope.passes)
+    tokens: bool  # capture.tokens: the token x token logits, not only the pooled ones
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> RolloutPlan:
+        sampler = settings["sampler"]
+        video = settings["video"]
+        schedule = Schedule(
+            steps=tuple(sampler["steps"]), shift=float(sampler["shift"]), warp=bool(sampler["warp"])
+        )
+        return cls(
+            geometry=Geometry(
+                num_frames=video["num_frames"],
+                frames_per_block=video["frames_per_block"],
+                latent_height=video["latent_height"],
+                latent_width=video["latent_width"],
+            ),
+            schedule=schedule,
+            local_attn_size=sampler["local_attn_size"],
+            sink_size=sampler["sink_size"],
+            seed=settings["seed"],
+            passes=resolve_passes(settings["capture"]["passes"], len(schedule.steps)),
+            tokens=settings["capture"].get("tokens", True),
+        )
+
+    @property
+    def timesteps(self) -> list[float]:
+        every = self.schedule.pass_timesteps()
+        return [every[p] for p in self.passes]
+
+    @property
+    def pass_kinds(self) -> list[str]:
+        every = self.schedule.pass_kinds()
+        return [every[p] for p in self.passes]
+
+
+def load_checkpoint(
+    name: str, settings: dict, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.nn.Module, str]:
+    """The model of checkpoint `name` on `device`, and the sha256 of its files."""
+    entry = settings["checkpoint"]
+    spec = CheckpointSpec.from_entry(entry)
+    # The workflow hashed real checkpoints when it was parsed (cached); demo ones are tiny.
+    checkpoint_sha256 = entry.get("sha256") or combine(sha256_file(path) for path in spec.files())
+    log.info("loading %s onto %s (%s)", name, device, dtype)
+    return load_wan_model(spec, device=device, dtype=dtype), checkpoint_sha256
+
+
+def plan_stores(
+    cfg: WanConfig,
+    plan: RolloutPlan,
+    layers: Sequence[int],
+    outputs: Sequence[str | Path],
+    attrs: dict,
+) -> list[TokenStoreWriter]:
+    """One open token store per layer, after checking the layers and the free space.
+
+    `attrs`: the provenance every store records; the model and geometry facts are added here.
+    """
+    bad = [layer for layer in layers if not 0 <= layer < cfg.num_layers]
+    if bad:
+        raise ValueError(
+            f"layers {bad} out of range: {attrs['checkpoint']} has {cfg.num_layers} layers"
+        )
+    geometry = plan.geometry
+    frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
+    grid = [
+        geometry.num_frames,
+        *(
+            d // p
+            for d, p in zip(
+                (geometry.latent_height, geometry.latent_width), cfg.patch_size[1:], strict=True
+            )
+        ),
+    ]
+    attrs = {
+        **attrs,
+        "num_heads": cfg.num_heads,
+        "head_dim": cfg.head_dim,
+        "frame_seq_length": frame_seq_length,
+        "latent_grid": grid,
+        "num_frames": geometry.num_frames,
+        "block_sizes": geometry.block_sizes,
+        "timesteps": plan.timesteps,
+        "local_attn_size": plan.local_attn_size,
+        "sink_size": plan.sink_size,
+        "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
+        "tokens": plan.tokens,
+    }
+    store_bytes = plan.tokens * token_store_bytes(
+        num_passes=len(plan.passes),
+        num_heads=cfg.num_heads,
+        frame_seq_length=frame_seq_length,
+        sizes=geometry.block_sizes,
+        local_attn_size=plan.local_attn_size,
+        sink_size=plan.sink_size,
+    )
+    check_free_space([Path(out) for out in outputs], store_bytes * len(outputs))
+    writers: list[TokenStoreWriter] = []
+    try:
+        for layer, out in zip(layers, outputs, strict=True):
+            writers.append(
+                TokenStoreWriter(
+                    out,
+                    num_heads=cfg.num_heads,
+                    num_frames=geometry.num_frames,
+                    frame_seq_length=frame_seq_length,
+                    timesteps=plan.timesteps,
+                    pass_kinds=plan.pass_kinds,
+                    attrs={**attrs, "layer": layer},
+                    tokens=plan.tokens,
+                )
+            )
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    return writers
+
+
+def roll_out(
+    model,
+    text: torch.Tensor,
+    plan: RolloutPlan,
+    capture: LogitCapture,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+) -> None:
+    """Generate the video block by block, capturing what `capture` was asked for."""
+    model.set_capture(capture, capture.layers)
+    log.info(
+        "rollout: %d blocks x %d passes, capturing layers %s passes %s",
+        len(plan.geometry.block_sizes),
+        len(plan.schedule.pass_timesteps()),
+        sorted(capture.layers),
+        plan.passes,
+    )
+    try:
+        rollout(
+            model,
+            text[None],
+            geometry=plan.geometry,
+            schedule=plan.schedule,
+            local_attn_size=plan.local_attn_size,
+            sink_size=plan.sink_size,
+            seed=plan.seed,
+            device=device,
+            dtype=dtype,
+            on_pass=capture.begin_pass,
+            progress=progress,
+        )
+    finally:
+        model.set_capture(None)
+    log.info("rollout done; finishing the stores")
+
+
+def extract(
+    *,
+    checkpoint_name: str,
+    prompt_name: str,
+    prompt_embeddings: str | Path,
+    layers: Sequence[int],
+    outputs: Sequence[str | Path],
+    settings: dict,
+    progress: bool = True,
+) -> None:
+    """Write one token store (Contract 1) per layer in `layers` to the matching `outputs` path.
+
+    settings: `sinkscope.workflow.params.extraction_settings` (checkpoint, sampler, video,
+    capture, seed, device). The rollout is the same whichever layers are captured. The job runs on
+    the device `sinkscope.workflow.gpus.job_device` gives it.
+    """
+    if len(layers) != len(outputs):
+        raise ValueError(f"{len(layers)} layers but {len(outputs)} outputs")
+    plan = RolloutPlan.from_settings(settings)
+    # The GPU is held from before the model loads until the stores are complete.
+    with job_device(settings["device"]) as claim:
+        started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        device = torch.device(claim.device)
+        dtype = model_dtype(device)
+        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+        cfg = model.config
+        text, text_meta = load_prompt_embedding(prompt_embeddings)
+        if text.shape[1] != cfg.text_dim:
+            raise ValueError(
+                f"{prompt_embeddings}: embeddings have width {text.shape[1]}, "
+                f"but {checkpoint_name} expects text_dim={cfg.text_dim}"
+            )
+        provenance = {
+            "checkpoint": checkpoint_name,
+            "checkpoint_sha256": checkpoint_sha256,
+            "prompt": prompt_name,
+            "prompt_text": text_meta.get("prompt", ""),
+            "seed": settings["seed"],
+            "sinkscope_version": __version__,
+            "device": str(device),
+            "gpu": claim.record(),
+            "started_at": started_at,
+            "dtype": str(dtype).removeprefix("torch."),
+            "config": settings,
+        }
+        with contextlib.ExitStack() as stores:
+            writers = [
+                stores.enter_context(writer)
+                for writer in plan_stores(cfg, plan, layers, outputs, provenance)
+            ]
+            capture = LogitCapture(
+                dict(zip(layers, writers, strict=True)),
+                plan.passes,
+                writers[0].frame_seq_length,
+                cfg.head_dim,
+            )
+            roll_out(model, text, plan, capture, device=device, dtype=dtype, progress=progress)

@@ -1,0 +1,6 @@
+"""What Snakemake runs while it parses the workflow: config checks (`checks`), the inputs and
+params of rules (`params`), cluster resources (`resources`), checkpoint digests (`digest`), and
+GPU claims (`gpus`, also used inside jobs). No torch, no numpy-heavy work: every job on a cluster
+parses the workflow again. May import the shared modules, `wan.config`, `wan.layout`,
+`wan.spec`, and `analysis.figures` (the figure registry); never `extraction`.
+"""

@@ -1,0 +1,97 @@
+"""The schema-validated config read as objects: checkpoint specs and model configs, prompts,
+sampler settings, the demo's folders. Shared by the checks and the rule params; runs while
+Snakemake parses, so no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sinkscope.wan.config import WanConfig
+from sinkscope.wan.layout import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_model_config
+from sinkscope.wan.spec import CheckpointSpec
+
+DEMO_DIR = "results/demo"
+DEMO_WEIGHT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+
+
+class ConfigError(ValueError):
+    """A config.yaml problem; the message names the key or file."""
+
+
+def demo_checkpoint_dir(name: str) -> str:
+    return f"{DEMO_DIR}/{name}"
+
+
+def demo_text_encoder_dir() -> str:
+    return f"{DEMO_DIR}/text_encoder"
+
+
+def checkpoint_spec(config: dict, name: str) -> CheckpointSpec:
+    """The weights of checkpoint `name`, as the loader takes them."""
+    return CheckpointSpec.from_entry(config["checkpoints"][name])
+
+
+def _is_demo_path(config: dict, path: str) -> bool:
+    made = {demo_checkpoint_dir(n) for n in config.get("demo", {}).get("checkpoints", {})}
+    return Path(path).as_posix().rstrip("/") in made
+
+
+def is_demo_checkpoint(config: dict, name: str) -> bool:
+    """Whether checkpoint `name` is one the workflow makes itself (rule make_demo_checkpoint)."""
+    return _is_demo_path(config, checkpoint_spec(config, name).base)
+
+
+def demo_seed(config: dict, name: str) -> int:
+    """The init seed of demo checkpoint `name` (demo.checkpoints)."""
+    return config["demo"]["checkpoints"][Path(checkpoint_spec(config, name).base).name]
+
+
+def checkpoint_inputs(config: dict, name: str) -> list[str]:
+    """Files whose bytes define checkpoint `name`: the inputs of its extraction jobs."""
+    spec = checkpoint_spec(config, name)
+    if is_demo_checkpoint(config, name):
+        return [f"{spec.base}/{file}" for file in DEMO_WEIGHT_FILES]
+    try:
+        files = spec.files()
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoints.{name}: {err}") from None
+    return [str(path) for path in files]
+
+
+def model_config(config: dict, name: str) -> WanConfig:
+    """The DiT config of a checkpoint: its config.json, or the demo model it will be made from."""
+    if is_demo_checkpoint(config, name):
+        from sinkscope.wan.demo import DEMO_MODEL
+
+        return WanConfig.from_dict({**DEMO_MODEL, **config["demo"].get("model", {})}, "demo.model")
+    try:
+        return read_model_config(checkpoint_spec(config, name).base)
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoints.{name}.base: {err}") from None
+
+
+def sampler_settings(config: dict, name: str) -> dict:
+    """The global sampler with the checkpoint's overrides."""
+    return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}
+
+
+def prompt_text(config: dict, name: str) -> str:
+    entry = config["prompts"][name]
+    return entry["text"] if isinstance(entry, dict) else entry
+
+
+def prompt_embeddings(config: dict, name: str) -> str | None:
+    """The precomputed embeddings file of a prompt, if it brings one."""
+    entry = config["prompts"][name]
+    return entry["embeddings"] if isinstance(entry, dict) else None
+
+
+def uses_text_encoder(config: dict) -> bool:
+    """Whether some prompt must be encoded (brings no precomputed embeddings)."""
+    return any(prompt_embeddings(config, name) is None for name in config["prompts"])
+
+
+def is_demo_encoder(encoder: dict) -> bool:
+    """Whether text_encoder.path is the one rule make_demo_text_encoder writes."""
+    return Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()

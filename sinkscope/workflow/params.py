@@ -1,0 +1,93 @@
+"""What the rules get: the inputs and params of each job, built from the validated config.
+
+Params decide reruns (Snakemake compares their text), so each job's params hold everything its
+output depends on and nothing else. Runs while Snakemake parses; no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .digest import DIGEST_CACHE, cached_sha256
+from .entries import (
+    ConfigError,
+    checkpoint_inputs,
+    checkpoint_spec,
+    demo_seed,
+    is_demo_checkpoint,
+    prompt_embeddings,
+    sampler_settings,
+)
+
+
+def prompt_inputs(config: dict, name: str) -> dict[str, str]:
+    """Inputs of a prompt's encode job: its embeddings file, or the text encoder (and tokenizer)."""
+    embeddings = prompt_embeddings(config, name)
+    if embeddings is not None:
+        return {"embeddings": embeddings}
+    encoder = config["text_encoder"]
+    inputs = {"encoder": encoder["path"]}
+    if encoder.get("tokenizer"):
+        inputs["tokenizer"] = encoder["tokenizer"]
+    return inputs
+
+
+def prompt_encoder(config: dict, name: str) -> dict | None:
+    """The text-encoder settings a prompt's job depends on (none when it brings embeddings)."""
+    if prompt_embeddings(config, name) is not None:
+        return None
+    return canonical(config["text_encoder"])
+
+
+def canonical(value):
+    """`value` with every mapping's keys sorted, recursively.
+
+    Snakemake compares params by their text, so the key order of a YAML edit must not matter.
+    """
+    if isinstance(value, dict):
+        return {key: canonical(value[key]) for key in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [canonical(item) for item in value]
+    return value
+
+
+def checkpoint_content(config: dict, name: str, cache: str | Path = DIGEST_CACHE) -> dict:
+    """What decides the bytes of checkpoint `name`: the sha256 of its files (cached, so read once
+    per change), or for a demo checkpoint the recipe its rule makes it from (its files may not
+    exist yet when the workflow is parsed)."""
+    if is_demo_checkpoint(config, name):
+        return {
+            "demo_seed": demo_seed(config, name),
+            "demo_model": config["demo"].get("model", {}),
+        }
+    try:
+        return {"sha256": cached_sha256(checkpoint_inputs(config, name), cache)}
+    except OSError as err:
+        raise ConfigError(f"checkpoints.{name}: {err}") from None
+
+
+def extraction_settings(config: dict, name: str, cache: str | Path = DIGEST_CACHE) -> dict:
+    """Everything an extraction job of checkpoint `name` depends on, and nothing else.
+
+    Used as the job's params, so adding layers or prompts does not re-run existing jobs, and the
+    checkpoint's content (not its files' timestamps) re-runs them when it changes.
+    """
+    return canonical(
+        {
+            # The spec's fields (what the loader gets) and the content of the files they name.
+            "checkpoint": {
+                **checkpoint_spec(config, name).to_params(),
+                **checkpoint_content(config, name, cache),
+            },
+            "sampler": sampler_settings(config, name),
+            "video": config["video"],
+            "capture": {k: config["capture"][k] for k in ("passes", "tokens")},
+            "seed": config["seed"],
+            "device": config["device"],
+        }
+    )
+
+
+def extraction_gpus(config: dict) -> int:
+    """GPUs an extraction job holds: none when it is told to run on the CPU."""
+    return 0 if config["device"] == "cpu" else 1
