@@ -1,5 +1,5 @@
 # sinkscope: where autoregressive video diffusion transformers put their attention.
-# The DAG and file contracts: DESIGN.md in the project's shared folder and README.md.
+# The DAG, the file contracts and the layout: docs/DESIGN.md.
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -45,9 +45,8 @@ rule all:
         ),
         "results/stats/summary.csv",
         expand(
-            "results/figures/{checkpoint}/{prompt}/figure4.{fmt}",
+            [figure.path for figure in RUN_FIGURES],
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
-            fmt=FIGURE_FORMAT,
         ),
-        COMPARE_FIGURES,
+        [figure.path for figure in COMPARE_FIGURES],

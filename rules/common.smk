@@ -1,6 +1,7 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
 import re
 
+from sinkscope.analysis.figures import compare_figures, run_figures
 from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.entries import (
     ConfigError,
@@ -33,12 +34,18 @@ except ConfigError as err:
 CHECKPOINTS = list(config["checkpoints"])
 PROMPTS = list(config["prompts"])
 LAYERS = sorted(config["layers"])
-FIGURE_FORMAT = config["figures"]["format"]
 DEMO_CHECKPOINTS = list(config["demo"]["checkpoints"])
-COMPARE_FIGURES = expand(
-    "results/figures/compare/{name}.{fmt}",
-    name=["checkpoints", "prompts", "passes"],
-    fmt=FIGURE_FORMAT,
+# The layers of figures.heads: what figure4 and the compare figures show.
+HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
+# Figure files from the registry; run figures keep {checkpoint} and {prompt} as wildcards.
+RUN_FIGURES = run_figures(
+    "results/figures/{checkpoint}/{prompt}",
+    LAYERS,
+    HEAD_LAYERS,
+    config["figures"]["format"],
+)
+COMPARE_FIGURES = compare_figures(
+    "results/figures/compare", LAYERS, HEAD_LAYERS, config["figures"]["format"]
 )
 
 

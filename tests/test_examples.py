@@ -13,7 +13,7 @@ from sinkscope.wan.text import make_demo_text_encoder, wan_umt5_key_map
 
 from .workflowtools import REPO, copy_workflow, planned_jobs, snakemake
 
-# 5 layers and 10 heads, so the examples' layers [0, 4] and heads L1H1, L5H10 exist.
+# 5 layers and 10 heads, so the examples' layers [0, 4] and heads L0H0, L4H9 exist.
 EXAMPLE_MODEL = WanConfig(
     dim=60, ffn_dim=64, num_heads=10, num_layers=5, freq_dim=16, text_dim=32, text_len=512
 )
@@ -101,6 +101,6 @@ def test_self_forcing_example_runs_end_to_end(example_root):
     frames = xr.open_zarr(results / "frames/self_forcing_dmd/eagle/layer4.zarr")
     assert frames.sizes == {"step": 5, "head": 10, "query_frame": 6, "key_frame": 6}
     svg = (results / "figures/self_forcing_dmd/eagle/figure4.svg").read_text()
-    assert "L1H1" in svg and "L5H10" in svg
+    assert "L0H0" in svg and "L4H9" in svg
     prompt_log = (results / "logs/encode_prompt/eagle.log").read_text()
     assert "Traceback" not in prompt_log

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib.colors as mcolors
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 from matplotlib.collections import QuadMesh
@@ -16,7 +17,8 @@ from matplotlib.container import BarContainer
 from matplotlib.text import Annotation
 
 from sinkscope import frames
-from sinkscope.analysis import plots
+from sinkscope.analysis import figures, plots
+from sinkscope.analysis.reduce import open_frame_dataset
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
 PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]
@@ -92,7 +94,7 @@ def numpy_last_block(ds: xr.Dataset, variable: str, step: int) -> np.ndarray:
     """(head, key_frame) mean over the last block's query frames, computed independently."""
     blocks = ds["block"].values
     rows = np.flatnonzero(blocks == blocks.max())
-    values = ds[variable].values[list(ds["step"].values).index(step)]
+    values = ds[variable].values[list(ds["step"].values).index(step)].astype(np.float64)
     with warnings.catch_warnings():  # key frames no last-block query sees stay NaN
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmean(values[:, rows, :], axis=1)
@@ -119,8 +121,8 @@ def figure_texts(fig) -> list[str]:
 
 
 def test_labels():
-    assert plots.head_label(0, 0) == "L1H1"
-    assert plots.head_label(4, 9) == "L5H10"
+    assert plots.head_label(0, 0) == "L0H0"
+    assert plots.head_label(4, 9) == "L4H9"
     labels = [plots.timestep_label(t, k) for t, k in zip(TIMESTEPS, PASS_KINDS, strict=True)]
     assert labels == ["t=1000", "t=937.5", "t=833.33", "t=625", "cache"]
     ds = make_frame_dataset()
@@ -144,16 +146,15 @@ def test_last_block_profile_matches_numpy(measure, variable, step):
 def test_sink_score_uses_frames_between_first_and_last_visible():
     # A local window with sink frames: the last block sees frames 0-2 and the latest ones only.
     ds = make_frame_dataset(local_attn_size=9, sink_size=3, seed=5)
-    profile = plots.last_block_profile(ds, "logits", 0)
     expected = numpy_last_block(ds, "logit_mean", 0)
     visible = np.flatnonzero(np.isfinite(expected[0]))
     assert visible[0] == 0 and visible[-1] == 20 and np.isnan(expected[0, 5])
     middle = np.nanmean(expected[:, 1:20], axis=1)
-    parts = plots.profile_parts(profile)
-    np.testing.assert_allclose(parts.sel(part="first"), expected[:, 0], rtol=1e-6)
-    np.testing.assert_allclose(parts.sel(part="middle"), middle, rtol=1e-6)
-    np.testing.assert_allclose(parts.sel(part="last"), expected[:, 20], rtol=1e-6)
-    np.testing.assert_allclose(plots.sink_scores(profile), expected[:, 0] - middle, rtol=1e-5)
+    parts = plots.head_statistics(ds, "logits", 0)
+    np.testing.assert_allclose(parts["first"], expected[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(parts["middle"], middle, rtol=1e-6)
+    np.testing.assert_allclose(parts["last"], expected[:, 20], rtol=1e-6)
+    np.testing.assert_allclose(parts["sink_score"], expected[:, 0] - middle, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +164,7 @@ def test_figure4_plots_the_last_block_profile_and_its_max(measure, variable):
     datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
     heads = [(0, 0), (1, 3)]
     fig = plots.plot_figure4(datasets, heads, measure=measure, step=2)
-    assert [ax.get_title() for ax in fig.axes] == ["L1H1", "L2H4"]
+    assert [ax.get_title() for ax in fig.axes] == ["L0H0", "L1H3"]
     for ax, (layer, head) in zip(fig.axes, heads, strict=True):
         expected = numpy_last_block(datasets[layer], variable, 2)[head]
         heights = [patch.get_height() for patch in ax.containers[0]]
@@ -179,12 +180,12 @@ def test_figure4_plots_the_last_block_profile_and_its_max(measure, variable):
     assert "demo · cat · t=833.33" in fig.texts[0].get_text()
 
 
-def test_figure4_svg_text_names_heads_one_based(tmp_path):
+def test_figure4_svg_text_names_heads_zero_based(tmp_path):
     datasets = [make_frame_dataset(layer=layer, num_heads=10) for layer in (0, 4)]
     fig = plots.plot_figure4(datasets, [(0, 0), (4, 9)])
     path = plots.save_figure(fig, tmp_path / "figure4.svg")
     texts = svg_texts(path)
-    assert "L1H1" in texts and "L5H10" in texts
+    assert "L0H0" in texts and "L4H9" in texts
     assert "Key frame (latent)" in texts and plots.PROFILE_LABELS["logits"] in texts
     assert any("demo" in t and "cat" in t and "t=1000" in t for t in texts)
     assert "Arial" in path.read_text()
@@ -225,7 +226,7 @@ def test_frame_maps_grey_unseen_symmetric_logits_log_probabilities():
         assert mesh.cmap.get_bad() == pytest.approx(grey)
         shown = np.ma.getmaskarray(mesh.get_array()).reshape(21, 21)
         np.testing.assert_array_equal(shown, unseen[head])
-    assert [ax.get_title() for ax in fig.axes[:4]] == ["L1H1", "L1H2", "L1H3", "L1H4"]
+    assert [ax.get_title() for ax in fig.axes[:4]] == ["L0H0", "L0H1", "L0H2", "L0H3"]
 
     fig = plots.plot_frame_maps(ds, measure="probabilities")
     meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
@@ -245,7 +246,7 @@ def test_layer_comparison_and_statistics_values():
         np.testing.assert_allclose(
             line.get_ydata(), numpy_last_block(ds, "logit_mean", 0).mean(axis=0), rtol=1e-6
         )
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["Layer 1", "Layer 2"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["Layer 0", "Layer 1"]
 
     fig = plots.plot_statistics(datasets)
     (ax,) = fig.axes
@@ -263,40 +264,54 @@ def test_heads_grid_titles_carry_sink_scores():
     profile = numpy_last_block(ds, "logit_mean", 0)
     scores = profile[:, 0] - profile[:, 1:-1].mean(axis=1)
     titles = [ax.get_title() for ax in fig.axes]
-    assert titles == [f"L5H{h + 1} sink {scores[h]:.3g}" for h in range(10)]
+    assert titles == [f"L4H{h} sink {scores[h]:.3g}" for h in range(10)]
+
+
+def run_outputs(folder: Path, layers, heads, fmt: str = "svg") -> list[Path]:
+    """The files the figures rule asks for, from the registry."""
+    head_layers = sorted({layer for layer, _ in heads})
+    return [Path(f.path) for f in figures.run_figures(str(folder), layers, head_layers, fmt)]
+
+
+def compare_outputs(folder: Path, heads, fmt: str = "svg") -> list[Path]:
+    head_layers = sorted({layer for layer, _ in heads})
+    return [Path(f.path) for f in figures.compare_figures(str(folder), [], head_layers, fmt)]
 
 
 def test_render_run_figures_demo(tmp_path):
     stores = [write_store(tmp_path / "frames", make_frame_dataset(layer=i, seed=i)) for i in (0, 1)]
     out = tmp_path / "figures"
+    heads = [(0, 0), (1, 3)]
     started = time.perf_counter()
-    written = plots.render_run_figures(stores, out, figure4_heads=[(0, 0), (1, 3)])
+    written = plots.render_figures(stores, run_outputs(out, [0, 1], heads), heads=heads)
     elapsed = time.perf_counter() - started
     expected = ["figure4"]
     for layer in (0, 1):
         expected += [f"layer{layer}_heads_grid", f"layer{layer}_heads_heatmap"]
         expected += [f"layer{layer}_frame_maps"]
     expected += ["layer_comparison", "statistics"]
-    assert written == [out / f"{name}.svg" for name in expected]
+    assert sorted(written) == sorted(out / f"{name}.svg" for name in expected)
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}.svg" for name in expected)
     for path in written:
         texts = svg_texts(path)  # parses, or raises
         assert texts, f"{path.name} has no <text>: svg.fonttype must be 'none'"
         assert not svg_has_raster(path), f"{path.name} embeds a raster image"
     expected_texts = {
-        "figure4": ["L1H1", "L2H4", "Key frame (latent)", plots.PROFILE_LABELS["logits"]],
+        "figure4": ["L0H0", "L1H3", "Key frame (latent)", plots.PROFILE_LABELS["logits"]],
         "layer1_heads_grid": ["Key frame (latent)", plots.PROFILE_LABELS["logits"]],
-        "layer0_heads_heatmap": ["L1H1", "L1H4", "Head", "Key frame (latent)"],
-        "layer0_frame_maps": ["L1H3", "Query frame (latent)", plots.MAP_LABELS["logits"]],
-        "layer_comparison": ["Layer 1", "Layer 2", "Key frame (latent)"],
-        "statistics": ["L1", "L2", "Layer", "First frame", "Middle frames", "Last frame"],
+        "layer0_heads_heatmap": ["L0H0", "L0H3", "Head", "Key frame (latent)"],
+        "layer0_frame_maps": ["L0H2", "Query frame (latent)", plots.MAP_LABELS["logits"]],
+        "layer_comparison": ["Layer 0", "Layer 1", "Key frame (latent)"],
+        "statistics": ["L0", "L1", "Layer", "First frame", "Middle frames", "Last frame"],
     }
     for name, wanted in expected_texts.items():
         texts = svg_texts(out / f"{name}.svg")
         for text in wanted:
             assert text in texts, f"{text!r} missing from {name}.svg"
     grid_titles = [t for t in svg_texts(out / "layer1_heads_grid.svg") if " sink " in t]
-    assert [t.split(" sink ")[0] for t in grid_titles] == ["L2H1", "L2H2", "L2H3", "L2H4"]
+    assert [t.split(" sink ")[0] for t in grid_titles] == ["L1H0", "L1H1", "L1H2", "L1H3"]
+    # Titles and file names count layers alike: layer1_* files say "Layer 1".
+    assert any(t.startswith("Layer 1,") for t in svg_texts(out / "layer1_heads_heatmap.svg"))
     assert elapsed < 60, f"rendering one demo run took {elapsed:.1f} s"
 
 
@@ -304,9 +319,8 @@ def test_render_run_figures_demo(tmp_path):
 def test_other_formats(tmp_path, fmt, magic):
     ds = make_frame_dataset(num_heads=2, block_sizes=[3, 3, 3])
     store = write_store(tmp_path / "frames", ds)
-    written = plots.render_run_figures(
-        [store], tmp_path / "out", figure4_heads=[(0, 1)], measure="probabilities", fmt=fmt
-    )
+    outputs = run_outputs(tmp_path / "out", [0], [(0, 1)], fmt)
+    written = plots.render_figures([store], outputs, heads=[(0, 1)], measure="probabilities")
     assert len(written) == 6
     for path in written:
         assert path.suffix == f".{fmt}" and path.read_bytes().startswith(magic)
@@ -322,23 +336,31 @@ def test_same_data_same_bytes(tmp_path):
 def test_bad_requests_raise_naming_the_problem(tmp_path):
     store = write_store(tmp_path / "frames", make_frame_dataset())
     out = tmp_path / "out"
+
+    def render(heads=((0, 0),), fmt="svg", stores=(store,), **options):
+        outputs = run_outputs(out, [0], [(0, 0)], fmt) if fmt in figures.FORMATS else []
+        outputs = outputs or [out / f"figure4.{fmt}"]
+        return plots.render_figures(list(stores), outputs, heads=list(heads), **options)
+
     with pytest.raises(ValueError, match=r"layer 4"):
-        plots.render_run_figures([store], out, figure4_heads=[(4, 9)])
-    with pytest.raises(ValueError, match=r"head 7 \(L1H8\)"):
-        plots.render_run_figures([store], out, figure4_heads=[(0, 7)])
+        render(heads=[(4, 9)])
+    with pytest.raises(ValueError, match=r"head 7 \(L0H7\)"):
+        render(heads=[(0, 7)])
     with pytest.raises(ValueError, match=r"step 9"):
-        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], step=9)
+        render(step=9)
     with pytest.raises(ValueError, match=r"fmt"):
-        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], fmt="jpg")
+        render(fmt="jpg")
     with pytest.raises(ValueError, match=r"measure"):
-        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], measure="mass")
+        render(measure="mass")
     with pytest.raises(ValueError, match=r"frame_axis"):
-        plots.render_run_figures([store], out, figure4_heads=[(0, 0)], frame_axis="pixel")
+        render(frame_axis="pixel")
+    with pytest.raises(ValueError, match=r"not a figure file name"):
+        plots.render_figures([store], [out / "figure5.svg"], heads=[(0, 0)])
     assert not out.exists(), "a failed request must not leave figures behind"
     with pytest.raises(ValueError, match=r"layer 3"):
-        plots.render_compare_figures([store], out, heads=[(3, 0)])
+        plots.render_figures([store], compare_outputs(out, [(3, 0)]), heads=[(3, 0)])
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        plots.render_run_figures([tmp_path / "nowhere.zarr"], out, figure4_heads=[(0, 0)])
+        render(stores=[tmp_path / "nowhere.zarr"])
 
 
 def test_render_compare_figures(tmp_path):
@@ -354,19 +376,19 @@ def test_render_compare_figures(tmp_path):
     stores.append(write_store(root, make_frame_dataset("base_wan", "cat", 0, seed=7)))
     heads = [(0, 0), (1, 3)]
     out = tmp_path / "compare"
-    written = plots.render_compare_figures(stores, out, heads=heads)
+    written = plots.render_figures(stores, compare_outputs(out, heads), heads=heads)
     assert written == [out / f"{name}.svg" for name in ("checkpoints", "prompts", "passes")]
     for path in written:
         texts = svg_texts(path)
         assert not svg_has_raster(path)
-        for text in ("L1H1", "L2H4", "Key frame (latent)", plots.PROFILE_LABELS["logits"]):
+        for text in ("L0H0", "L1H3", "Key frame (latent)", plots.PROFILE_LABELS["logits"]):
             assert any(text in t for t in texts), f"{text!r} missing from {path.name}"
     passes = svg_texts(out / "passes.svg")
     for label in ("t=1000", "t=937.5", "t=833.33", "t=625", "cache"):
         assert label in passes
-    assert "L2H4 · base_wan" in passes and "layer not captured" in passes
+    assert "L1H3 · base_wan" in passes and "layer not captured" in passes
 
-    datasets = [plots.load_frame_store(path) for path in stores]
+    datasets = [open_frame_dataset(path) for path in stores]
     fig = plots.plot_checkpoints(datasets, heads)
     for ax, (layer, head) in zip(fig.axes, heads, strict=True):
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -382,3 +404,44 @@ def test_render_compare_figures(tmp_path):
             ]
             expected = np.mean([numpy_last_block(ds, "logit_mean", 0)[head] for ds in runs], axis=0)
             np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-5)
+
+
+def test_figures_plot_the_statistics_csv_values(tmp_path):
+    """Figures and Contract 3 read one rule: a key frame counts only if every query frame of the
+    set sees it. Here the last block's query frames see different keys (a window evicting
+    mid-block), where averaging with skipna (the figures' old rule) would disagree."""
+    from sinkscope.analysis.stats import write_stats
+
+    ds = make_frame_dataset(layer=2, seed=4)
+    last = plots.stats.last_block_rows(ds)
+    for variable in ("logit_mean", "prob_mass"):
+        ds[variable][:, :, last[0], [1, 3]] = np.nan  # frames 1 and 3 evicted before query 18
+    store = write_store(tmp_path / "frames", ds)
+    write_stats(store, tmp_path / "layer2.csv")
+    csv = pd.read_csv(tmp_path / "layer2.csv", keep_default_na=False, na_values=[""])
+    rows = csv[(csv["measure"] == "logit_mean") & (csv["step"] == 0)].set_index("head")
+    skipna = numpy_last_block(ds, "logit_mean", 0)
+    # The old rule keeps frames 1 and 3, so its first-middle-last differ from the CSV's.
+    assert np.isfinite(skipna[:, [1, 3]]).all()
+    old_middle = skipna[:, 1:-1].mean(axis=1)
+    assert not np.allclose(old_middle, rows["middle"].to_numpy(), rtol=1e-3)
+
+    fig = plots.plot_figure4([ds], [(2, h) for h in range(4)])
+    for head, ax in enumerate(fig.axes):
+        heights = np.array([patch.get_height() for patch in ax.containers[0]])
+        assert np.isnan(heights[[1, 3]]).all()
+        visible = np.flatnonzero(np.isfinite(heights))
+        assert heights[visible[0]] == pytest.approx(rows.loc[head, "first"], rel=1e-6)
+        assert heights[visible[-1]] == pytest.approx(rows.loc[head, "last"], rel=1e-6)
+        assert heights[visible[1:-1]].mean() == pytest.approx(rows.loc[head, "middle"], rel=1e-6)
+        (annotation,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        assert annotation.xy[0] == rows.loc[head, "argmax_frame"]
+
+    grid = plots.plot_heads_grid(ds)
+    titles = [ax.get_title() for ax in grid.axes]
+    assert titles == [f"L2H{h} sink {rows.loc[h, 'sink_score']:.3g}" for h in range(4)]
+
+    (ax,) = plots.plot_statistics([ds]).axes
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for part, container in zip(("first", "middle", "last"), bars, strict=True):
+        assert container[0].get_height() == pytest.approx(rows[part].mean(), rel=1e-6)

@@ -32,7 +32,7 @@ COMPARE_KINDS = ["checkpoints", "prompts", "passes"]
 
 
 def layer_label(layers) -> str:
-    return ", ".join(f"L{layer + 1}" for layer in sorted(set(layers)))
+    return ", ".join(f"L{layer}" for layer in sorted(set(layers)))
 
 
 HEAD_LAYERS = layer_label(layer for layer, _ in CONFIG["figures"]["heads"])
@@ -54,7 +54,7 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
                 figures[f"{folder}/layer{layer}_{kind}.{FORMAT}"] = (
                     sub,
                     kind,
-                    {"figure": kind.replace("_", " "), "layer": f"L{layer + 1}"},
+                    {"figure": kind.replace("_", " "), "layer": f"L{layer}"},
                 )
         for kind in RUN_KINDS:
             figures[f"{folder}/{kind}.{FORMAT}"] = (
@@ -150,8 +150,8 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
         text = plain_text(entry["caption"])
         assert plain_text(first_line(caption)) in text, (path, caption)
         assert "System Message" not in text, (path, text)
-    # Captions are rendered with the configuration: the chosen heads, 1-based.
-    heads = ", ".join(f"L{layer + 1}H{head + 1}" for layer, head in CONFIG["figures"]["heads"])
+    # Captions are rendered with the configuration: the chosen heads, 0-based.
+    heads = ", ".join(f"L{layer}H{head}" for layer, head in CONFIG["figures"]["heads"])
     for checkpoint, prompt in RUNS:
         caption = results[f"results/figures/{checkpoint}/{prompt}/figure4.{FORMAT}"]["caption"]
         assert f"Heads: {heads}" in plain_text(caption)

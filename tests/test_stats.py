@@ -10,7 +10,7 @@ import xarray as xr
 from sinkscope.analysis.stats import (
     COLUMNS,
     frame_statistics,
-    sink_rate,
+    sink_rates,
     write_stats,
     write_summary,
 )
@@ -350,18 +350,31 @@ def test_summary_needs_input(tmp_path):
 
 
 def test_sink_rate():
-    ds = hand_dataset()
+    table = frame_statistics(hand_dataset())
     # Importance of frame 0: head 0 (0.6 + 0.8 + 0.5 + 0.3) / 4 = 0.55; head 1 0.25.
-    rates = sink_rate(ds)
+    rates = sink_rates(table)
     assert rates["sink_rate"].tolist() == [0.5, 0.5]
     assert rates["sink_heads"].tolist() == [1, 1]
     assert rates["pass_kind"].tolist() == ["denoise", "cache"]
-    assert sink_rate(ds, threshold=0.2)["sink_rate"].tolist() == [1.0, 1.0]
-    assert sink_rate(ds, threshold=0.6)["sink_rate"].tolist() == [0.0, 0.0]
+    assert sink_rates(table, threshold=0.2)["sink_rate"].tolist() == [1.0, 1.0]
+    assert sink_rates(table, threshold=0.6)["sink_rate"].tolist() == [0.0, 0.0]
     # A query frame that cannot see frame 0 is left out: head 0 becomes (0.6 + 0.8 + 0.5) / 3.
-    blind = ds.copy(deep=True)
+    blind = hand_dataset()
     blind["prob_mass"][:, 0, 3, 0] = np.nan
-    assert sink_rate(blind, threshold=0.6)["sink_rate"].tolist() == [0.5, 0.5]
+    assert sink_rates(frame_statistics(blind), 0.6)["sink_rate"].tolist() == [0.5, 0.5]
+
+
+def test_sink_threshold_is_inclusive_in_head_class_and_sink_rate():
+    """One rule: a head whose mass on frame 0 equals the threshold is a sink head, in both."""
+    ds = _class_dataset()
+    ds["prob_mass"][:, 0, :, 0] = 0.5  # head 0: exactly 0.5 on frame 0 from every query frame
+    for threshold, sink in ((0.5, True), (np.nextafter(0.5, 1.0), False)):
+        table = frame_statistics(ds, sink_threshold=threshold)
+        head0 = table[(table["measure"] == "prob_mass") & (table["head"] == 0)].iloc[0]
+        assert head0["first"] == 0.5 and head0["importance"] == 0.5
+        assert (head0["head_class"] == "sink") is sink
+        rates = sink_rates(table, threshold=threshold)
+        assert rates["sink_heads"].tolist() == [1 if sink else 0]
 
 
 def _class_dataset() -> xr.Dataset:
@@ -396,8 +409,6 @@ def _class_dataset() -> xr.Dataset:
 
 
 def test_importance_head_class_and_sink_rate_by_hand():
-    from sinkscope.analysis.stats import sink_rates
-
     ds = _class_dataset()
     table = frame_statistics(ds, sink_threshold=0.3, recent_threshold=0.5)
     mass = table[table.measure == "prob_mass"].set_index("head")

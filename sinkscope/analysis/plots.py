@@ -12,6 +12,7 @@ Figures are bare `Figure` objects (no pyplot global state, no GUI backend) drawn
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+import pandas as pd
 import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.colors import Colormap, LogNorm, Normalize
@@ -28,6 +30,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
+from sinkscope.analysis import figures, stats
+from sinkscope.analysis.reduce import open_frame_dataset
 from sinkscope.storage import atomic_path
 
 MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
@@ -42,7 +46,6 @@ MAP_LABELS = {
 FRAME_AXES = ("latent", "video")
 KEY_AXIS_LABELS = {"latent": "Key frame (latent)", "video": "Key frame (video)"}
 QUERY_AXIS_LABELS = {"latent": "Query frame (latent)", "video": "Query frame (video)"}
-FORMATS = ("svg", "png", "pdf")
 PARTS = ("first", "middle", "last")
 PART_LABELS = {"first": "First frame", "middle": "Middle frames", "last": "Last frame"}
 
@@ -97,8 +100,8 @@ _SAVE_METADATA: dict[str, dict[str, None] | None] = {
 
 
 def head_label(layer: int, head: int) -> str:
-    """1-based head name used in every label: layer 0 head 0 -> 'L1H1'."""
-    return f"L{int(layer) + 1}H{int(head) + 1}"
+    """Head name in every label, 0-based like everything (figures.py): layer 4 head 9 -> 'L4H9'."""
+    return f"L{int(layer)}H{int(head)}"
 
 
 def timestep_label(timestep: float, pass_kind: str) -> str:
@@ -113,11 +116,9 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def _check_options(measure: str, frame_axis: str, fmt: str | None = None) -> None:
+def _check_options(measure: str, frame_axis: str) -> None:
     _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
     _check_choice("frame_axis", frame_axis, FRAME_AXES)
-    if fmt is not None:
-        _check_choice("fmt", fmt, FORMATS)
 
 
 def _layer(ds: xr.Dataset) -> int:
@@ -134,22 +135,6 @@ def _prompt(ds: xr.Dataset) -> str:
 
 def _describe(ds: xr.Dataset) -> str:
     return f"{_checkpoint(ds)}/{_prompt(ds)}/layer{_layer(ds)}"
-
-
-def load_frame_store(path: str | os.PathLike) -> xr.Dataset:
-    """Open one frame dataset fully into memory (kilobytes) and check it has what plots need."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"frame store not found: {path}")
-    ds = xr.open_zarr(path).load()
-    missing = [
-        name
-        for name in (*MEASURE_VARIABLES.values(), "checkpoint", "prompt", "layer", "timestep")
-        if name not in ds.variables
-    ]
-    if missing:
-        raise ValueError(f"frame store {path} lacks {missing}")
-    return ds
 
 
 def _by_layer(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
@@ -195,61 +180,26 @@ def _check_head(ds: xr.Dataset, head: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the plotted numbers
-
-
-def _query_blocks(ds: xr.Dataset) -> np.ndarray:
-    """Block of every query frame: the `block` coordinate, else the `block_sizes` attribute."""
-    if "block" in ds.coords:
-        return np.asarray(ds["block"].values)
-    if "block_sizes" in ds.attrs:
-        return frames.block_of_frame(list(ds.attrs["block_sizes"]))
-    raise ValueError(f"{_describe(ds)} has neither a 'block' coordinate nor 'block_sizes'")
+# the plotted numbers: read from sinkscope.analysis.stats, the functions that write Contract 3
 
 
 def last_block_profile(ds: xr.Dataset, measure: str = "logits", step: int = 0) -> xr.DataArray:
-    """The measure seen by the last block's query frames, averaged over them: (head, key_frame).
+    """The last-block profile the statistics see (`stats.last_block_profile`): (head, key_frame).
 
-    NaN where no query frame of the last block could see that key frame.
+    NaN where some query frame of the last block could not see that key frame.
     """
     _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
-    values = _select_step(ds, step)[MEASURE_VARIABLES[measure]]
-    blocks = _query_blocks(ds)
-    last_queries = np.flatnonzero(blocks == blocks.max())
-    profile = values.isel(query_frame=last_queries).mean("query_frame", skipna=True)
-    profile = profile.transpose("head", "key_frame")
-    profile.name = f"last_block_{MEASURE_VARIABLES[measure]}"
+    _select_step(ds, step)
+    profile = stats.last_block_profile(ds, MEASURE_VARIABLES[measure], step)
     profile.attrs = {"long_name": PROFILE_LABELS[measure]}
     return profile
 
 
-def profile_parts(profile: xr.DataArray) -> xr.DataArray:
-    """First, middle and last value of each head's profile: (head, part).
-
-    first / last: the first and the last visible key frame; middle: the mean of the visible key
-    frames strictly between them (NaN if there are none).
-    """
-    rows = profile.transpose("head", "key_frame").values
-    parts = np.full((rows.shape[0], len(PARTS)), np.nan)
-    for i, row in enumerate(rows):
-        visible = np.flatnonzero(np.isfinite(row))
-        if visible.size == 0:
-            continue
-        first, last = visible[0], visible[-1]
-        middle = row[first + 1 : last]
-        parts[i, 0] = row[first]
-        parts[i, 2] = row[last]
-        if np.isfinite(middle).any():
-            parts[i, 1] = np.nanmean(middle)
-    return xr.DataArray(
-        parts, dims=("head", "part"), coords={"head": profile["head"].values, "part": list(PARTS)}
-    )
-
-
-def sink_scores(profile: xr.DataArray) -> xr.DataArray:
-    """Sink score per head: first visible key frame minus the mean of the middle frames."""
-    parts = profile_parts(profile)
-    return parts.sel(part="first", drop=True) - parts.sel(part="middle", drop=True)
+def head_statistics(ds: xr.Dataset, measure: str = "logits", step: int = 0) -> pd.DataFrame:
+    """The `last_block` rows of the statistics CSV for `measure` and `step`, indexed by head."""
+    _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
+    _select_step(ds, step)
+    return stats.head_statistics(ds, MEASURE_VARIABLES[measure], step, "last_block")
 
 
 def key_frame_positions(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
@@ -402,6 +352,19 @@ def _run_title(ds: xr.Dataset, step: int) -> str:
 # per-run figures
 
 
+def _check_run_heads(layers: dict[int, xr.Dataset], heads: Sequence[tuple[int, int]]) -> None:
+    """Every (layer, head) of figure4 exists in the run's datasets `layers`."""
+    if not heads:
+        raise ValueError("figure4 needs at least one (layer, head)")
+    for layer, head in heads:
+        if layer not in layers:
+            raise ValueError(
+                f"figure4 head {head_label(layer, head)} needs layer {layer}, but no frame store "
+                f"of this run holds it (layers: {list(layers)})"
+            )
+        _check_head(layers[layer], head)
+
+
 @_styled
 def plot_figure4(
     datasets: Sequence[xr.Dataset],
@@ -414,15 +377,7 @@ def plot_figure4(
     """Deep Forcing Fig. 4: last-block profile of chosen (layer, head)s, maximum annotated."""
     _check_options(measure, frame_axis)
     layers = _by_layer(datasets)
-    if not heads:
-        raise ValueError("figure4 needs at least one (layer, head)")
-    for layer, head in heads:
-        if layer not in layers:
-            raise ValueError(
-                f"figure4 head {head_label(layer, head)} needs layer {layer}, but no frame store "
-                f"of this run holds it (layers: {list(layers)})"
-            )
-        _check_head(layers[layer], head)
+    _check_run_heads(layers, heads)
     profiles = {layer: last_block_profile(layers[layer], measure, step) for layer, _ in heads}
 
     fig = Figure(figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3)), layout="constrained")
@@ -446,7 +401,7 @@ def plot_heads_grid(
     """Small multiples of every head's last-block profile, with its sink score in the title."""
     _check_options(measure, frame_axis)
     profile = last_block_profile(ds, measure, step)
-    scores = sink_scores(profile)
+    scores = head_statistics(ds, measure, step)["sink_score"]
     heads = [int(h) for h in profile["head"].values]
     ncols = _grid_columns(len(heads))
     nrows = math.ceil(len(heads) / ncols)
@@ -454,11 +409,11 @@ def plot_heads_grid(
     axes = _panel_grid(fig, len(heads), ncols, sharex=True, sharey=True)
     for ax, head in zip(axes, heads, strict=True):
         _draw_profile(ax, profile.sel(head=head).values, frame_axis)
-        score = float(scores.sel(head=head))
+        score = float(scores.loc[head])
         ax.set_title(f"{head_label(_layer(ds), head)} sink {_format_value(score)}")
     fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
     fig.supylabel(PROFILE_LABELS[measure])
-    fig.suptitle(f"Layer {_layer(ds) + 1}, all heads · {_run_title(ds, step)}")
+    fig.suptitle(f"Layer {_layer(ds)}, all heads · {_run_title(ds, step)}")
     return fig
 
 
@@ -490,7 +445,7 @@ def plot_heads_heatmap(
     ax.set_ylim(num_heads - 0.5, -0.5)  # first head on top
     ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
     ax.set_ylabel("Head")
-    ax.set_title(f"Layer {_layer(ds) + 1}, last-block profile · {_run_title(ds, step)}")
+    ax.set_title(f"Layer {_layer(ds)}, last-block profile · {_run_title(ds, step)}")
     _colorbar(fig, mesh, ax, PROFILE_LABELS[measure])
     return fig
 
@@ -509,7 +464,7 @@ def plot_frame_maps(
     cmap, norm, shown = _color_scale(values, measure)
     key_edges = frame_edges(num_keys, frame_axis)
     query_edges = frame_edges(num_queries, frame_axis)
-    blocks = _query_blocks(ds)
+    blocks = np.asarray(ds["block"].values)
     block_starts = np.flatnonzero(np.diff(blocks)) + 1  # first query frame of every later block
 
     ncols = _grid_columns(num_heads)
@@ -533,7 +488,7 @@ def plot_frame_maps(
         ax.set_title(head_label(_layer(ds), head))
     fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
     fig.supylabel(QUERY_AXIS_LABELS[frame_axis])
-    fig.suptitle(f"Layer {_layer(ds) + 1}, query x key frames · {_run_title(ds, step)}")
+    fig.suptitle(f"Layer {_layer(ds)}, query x key frames · {_run_title(ds, step)}")
     _colorbar(fig, mesh, axes, MAP_LABELS[measure])
     return fig
 
@@ -559,7 +514,7 @@ def plot_layer_comparison(
         positions = key_frame_positions(mean.shape[0], frame_axis)
         num_frames = max(num_frames, mean.shape[0])
         ax.fill_between(positions, mean - spread, mean + spread, color=color, alpha=0.2, lw=0)
-        ax.plot(positions, mean, color=color, marker="o", label=f"Layer {layer + 1}")
+        ax.plot(positions, mean, color=color, marker="o", label=f"Layer {layer}")
     _frame_axis_format(ax, num_frames, frame_axis)
     ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
     ax.set_ylabel(PROFILE_LABELS[measure])
@@ -576,9 +531,7 @@ def plot_statistics(
     """First / middle / last key frames per layer: mean over heads, std over heads as error bar."""
     _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
     layers = _by_layer(datasets)
-    parts = {
-        layer: profile_parts(last_block_profile(ds, measure, step)) for layer, ds in layers.items()
-    }
+    parts = {layer: head_statistics(ds, measure, step) for layer, ds in layers.items()}
     fig = Figure(
         figsize=(max(COLUMN_WIDTH_IN, 0.45 * len(layers) + 1.5), 2.4), layout="constrained"
     )
@@ -586,8 +539,8 @@ def plot_statistics(
     x = np.arange(len(layers))
     width = 0.8 / len(PARTS)
     for i, (part, color) in enumerate(zip(PARTS, _series_colors(len(PARTS)), strict=True)):
-        means = [float(p.sel(part=part).mean(skipna=True)) for p in parts.values()]
-        stds = [float(p.sel(part=part).std(skipna=True)) for p in parts.values()]
+        means = [float(p[part].mean(skipna=True)) for p in parts.values()]
+        stds = [float(p[part].std(skipna=True, ddof=0)) for p in parts.values()]
         ax.bar(
             x + (i - (len(PARTS) - 1) / 2) * width,
             means,
@@ -599,7 +552,7 @@ def plot_statistics(
         )
     ax.axhline(0.0, color="0.5", linewidth=0.4)
     ax.set_xticks(x)
-    ax.set_xticklabels([f"L{layer + 1}" for layer in layers])
+    ax.set_xticklabels([f"L{layer}" for layer in layers])
     ax.set_xlabel("Layer")
     ax.set_ylabel(PROFILE_LABELS[measure])
     ax.set_title("Last-block key frames, mean ± std over heads")
@@ -853,7 +806,7 @@ def plot_passes(
 
 def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
     """Write atomically (temporary file, then rename): a failed run leaves no partial figure."""
-    _check_choice("fmt", fmt, FORMATS)
+    _check_choice("fmt", fmt, figures.FORMATS)
     path = Path(path)
     try:
         with _style(), atomic_path(path) as temporary:
@@ -863,78 +816,57 @@ def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
     return path
 
 
-def render_run_figures(
+def _datasets_for(
+    kind: figures.FigureKind, datasets: Sequence[xr.Dataset], heads: Sequence[tuple[int, int]]
+) -> list[xr.Dataset]:
+    """The datasets a run or compare figure reads: all, or those of the heads' layers. When none
+    holds a head's layer all are kept, so that the figure's own check names the missing layer."""
+    if kind.layers == "captured":
+        return list(datasets)
+    wanted = {layer for layer, _ in heads}
+    return [ds for ds in datasets if _layer(ds) in wanted] or list(datasets)
+
+
+def render_figures(
     frame_stores: Sequence[str | os.PathLike],
-    out_dir: str | os.PathLike,
-    *,
-    figure4_heads: Sequence[tuple[int, int]],
-    measure: str = "logits",
-    frame_axis: str = "latent",
-    step: int = 0,
-    fmt: str = "svg",
-) -> list[Path]:
-    """All figures of one (checkpoint, prompt) from its layers' frame stores; returns the paths.
-
-    Writes figure4, per layer L layer{L}_heads_grid / _heads_heatmap / _frame_maps, then
-    layer_comparison and statistics, each as `.{fmt}`.
-    """
-    _check_options(measure, frame_axis, fmt)
-    layers = _by_layer([load_frame_store(path) for path in frame_stores])
-    datasets = list(layers.values())
-    options = {"measure": measure, "frame_axis": frame_axis, "step": step}
-    # Validate the requested heads and step before anything is written.
-    for ds in datasets:
-        _select_step(ds, step)
-    builders: list[tuple[str, Callable[[], Figure]]] = [
-        ("figure4", lambda: plot_figure4(datasets, figure4_heads, **options))
-    ]
-    for layer, ds in layers.items():
-        builders += [
-            (f"layer{layer}_heads_grid", lambda ds=ds: plot_heads_grid(ds, **options)),
-            (f"layer{layer}_heads_heatmap", lambda ds=ds: plot_heads_heatmap(ds, **options)),
-            (f"layer{layer}_frame_maps", lambda ds=ds: plot_frame_maps(ds, **options)),
-        ]
-    builders += [
-        ("layer_comparison", lambda: plot_layer_comparison(datasets, **options)),
-        ("statistics", lambda: plot_statistics(datasets, measure=measure, step=step)),
-    ]
-    first = builders[0][1]()  # figure4 raises for bad heads before the directory is touched
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [save_figure(first, out_dir / f"figure4.{fmt}", fmt)]
-    for name, build in builders[1:]:
-        written.append(save_figure(build(), out_dir / f"{name}.{fmt}", fmt))
-    return written
-
-
-def render_compare_figures(
-    frame_stores: Sequence[str | os.PathLike],
-    out_dir: str | os.PathLike,
+    outputs: Sequence[str | os.PathLike],
     *,
     heads: Sequence[tuple[int, int]],
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
-    fmt: str = "svg",
 ) -> list[Path]:
-    """Figures across checkpoints, prompts and steps: checkpoints, prompts and passes `.{fmt}`.
+    """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
 
-    Stores of layers not among `heads` are skipped; a head whose layer no store holds raises.
+    What a file shows comes from its name (`figures.parse_figure_path`: kind, layer, format), so
+    the rules' outputs alone decide what is drawn and where. Layer and run figures need the
+    stores of one (checkpoint, prompt); compare figures take any number of runs. Every request
+    (heads, step, options, names) is checked before the first file is written.
     """
-    _check_options(measure, frame_axis, fmt)
-    wanted_layers = {layer for layer, _ in heads}
-    datasets = [load_frame_store(path) for path in frame_stores]
-    # Keep all stores when none holds a wanted layer, so that the check below names the layer.
-    datasets = [ds for ds in datasets if _layer(ds) in wanted_layers] or datasets
-    _check_compare_inputs(datasets, heads)
+    _check_options(measure, frame_axis)
+    plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
+    datasets = [open_frame_dataset(path) for path in frame_stores]
+    if not datasets:
+        raise ValueError("no frame datasets given")
     for ds in datasets:
         _select_step(ds, step)
-    options = {"measure": measure, "frame_axis": frame_axis}
-    figures = [
-        ("checkpoints", plot_checkpoints(datasets, heads, step=step, **options)),
-        ("prompts", plot_prompts(datasets, heads, step=step, **options)),
-        ("passes", plot_passes(datasets, heads, **options)),
-    ]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [save_figure(fig, out_dir / f"{name}.{fmt}", fmt) for name, fig in figures]
+    scopes = {kind.scope for _, kind, _, _ in plan}
+    if scopes & {"layer", "run"}:
+        layers = _by_layer(datasets)
+        _check_run_heads(layers, heads)
+    if "compare" in scopes:
+        _check_compare_inputs(_datasets_for(figures.FIGURES["passes"], datasets, heads), heads)
+    options = {"heads": heads, "measure": measure, "frame_axis": frame_axis, "step": step}
+    written = []
+    for path, kind, layer, fmt in plan:
+        builder = globals()[kind.builder]
+        accepted = inspect.signature(builder).parameters
+        kwargs = {name: value for name, value in options.items() if name in accepted}
+        if kind.scope == "layer":
+            if layer not in layers:
+                raise ValueError(f"{path}: no frame dataset of layer {layer} given")
+            data = layers[layer]
+        else:
+            data = _datasets_for(kind, datasets, heads)
+        written.append(save_figure(builder(data, **kwargs), path, fmt))
+    return written

@@ -373,7 +373,22 @@ def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None
         )
 
 
+FRAME_VARIABLES = ("logit_mean", "prob_mass", "entropy", "timestep", "pass_kind", "block")
+
+
 def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
-    """Open a frame dataset (Contract 2) and load it: it is small."""
+    """Open a frame dataset (Contract 2) and load it (it is small), checking it has what the
+    statistics and figures read; errors name the path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"frame dataset not found: {path}")
     with xr.open_zarr(path) as ds:
-        return ds.load()
+        ds = ds.load()
+    missing = [
+        name
+        for name in (*FRAME_VARIABLES, "checkpoint", "prompt", "layer")
+        if name not in ds.variables
+    ]
+    if missing:
+        raise ValueError(f"frame dataset {path} lacks {missing}")
+    return ds

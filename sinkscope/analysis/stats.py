@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -63,6 +63,45 @@ def query_sets(blocks: np.ndarray, query: str) -> list[tuple[str, np.ndarray, np
     raise ValueError(f"query must be one of {QUERY_MODES}, got {query!r}")
 
 
+def query_profile(values: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """The profile of a query set: `values` [..., query_frame, key_frame] averaged over the query
+    frames `rows` (indices into the query_frame axis). A key frame counts only if every query
+    frame of the set sees it: NaN otherwise. The one rule for statistics and figures alike."""
+    return np.asarray(values, dtype=float)[..., list(rows), :].mean(axis=-2)
+
+
+def last_block_rows(ds: xr.Dataset) -> np.ndarray:
+    """Indices of the last block's query frames in `ds`."""
+    blocks = np.asarray(ds["block"].values)
+    return np.flatnonzero(blocks == blocks.max())
+
+
+def last_block_profile(ds: xr.Dataset, measure: str, step: int) -> xr.DataArray:
+    """(head, key_frame): `measure` (logit_mean or prob_mass) at `step` (a step label) of the last
+    block's query frames averaged over them, as the `last_block` statistics see it."""
+    if measure not in MEASURES:
+        raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+    values = ds[measure].sel(step=step).transpose("head", "query_frame", "key_frame")
+    return xr.DataArray(
+        query_profile(values.values, last_block_rows(ds)),
+        dims=("head", "key_frame"),
+        coords={"head": values["head"].values, "key_frame": values["key_frame"].values},
+        name=f"last_block_{measure}",
+    )
+
+
+def head_statistics(
+    ds: xr.Dataset, measure: str, step: int, query: str = "last_block"
+) -> pd.DataFrame:
+    """The Contract 3 rows of one measure and step, indexed by head (for the first query set)."""
+    table = frame_statistics(ds, query)
+    first_set = table["query"].iloc[0]
+    rows = table[
+        (table["measure"] == measure) & (table["step"] == int(step)) & (table["query"] == first_set)
+    ]
+    return rows.set_index("head")
+
+
 def profile_statistics(
     profile: np.ndarray, key_frames: np.ndarray, own_frames: np.ndarray, measure: str
 ) -> dict[str, float]:
@@ -110,12 +149,17 @@ def first_frame_importance(ds: xr.Dataset, measure: str = "prob_mass") -> np.nda
         return np.nanmean(first.astype(float), axis=2)
 
 
+def is_sink(mass_on_first_frame, sink_threshold: float):
+    """The one sink rule of head_class and the sink rate: mass on frame 0 >= the threshold."""
+    return np.asarray(mass_on_first_frame) >= sink_threshold
+
+
 def head_class(first: float, recent_mass: float, sink_threshold: float, recent_threshold: float):
-    """sink: mass on the first frame >= sink_threshold; else recent: mass on the own block >=
-    recent_threshold; else spread. Empty when there are no probabilities."""
+    """sink: mass on the first frame >= sink_threshold (`is_sink`); else recent: mass on the own
+    block >= recent_threshold; else spread. Empty when there are no probabilities."""
     if np.isnan(first) or np.isnan(recent_mass):
         return ""
-    if first >= sink_threshold:
+    if is_sink(first, sink_threshold):
         return "sink"
     return "recent" if recent_mass >= recent_threshold else "spread"
 
@@ -150,8 +194,7 @@ def frame_statistics(
             for measure in MEASURES:
                 for label, set_frames, own_frames in sets:
                     rows_of_set = [query_index[int(f)] for f in set_frames]
-                    # A key frame counts only if every query frame of the set sees it.
-                    profile = measures[measure][s, h, rows_of_set].mean(axis=0)
+                    profile = query_profile(measures[measure][s, h], rows_of_set)
                     stats = profile_statistics(profile, key_frames, own_frames, measure)
                     stats["entropy"] = entropy[s, h, rows_of_set].mean()
                     is_mass = measure == "prob_mass"
@@ -247,12 +290,12 @@ def write_summary(
 
 def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:
     """Gu et al.'s sink rate per (checkpoint, prompt, layer, step): the share of heads whose
-    importance of frame 0 exceeds `threshold` (from the `importance` column of the statistics)."""
+    importance of frame 0 is at least `threshold` (`is_sink`; the `importance` column)."""
     heads = stats[stats["measure"] == "prob_mass"].drop_duplicates(
         ["checkpoint", "prompt", "layer", "step", "head"]
     )
     keys = ["checkpoint", "prompt", "layer", "step", "timestep", "pass_kind"]
-    grouped = heads.assign(is_sink=heads["importance"] > threshold).groupby(keys, sort=True)
+    grouped = heads.assign(is_sink=is_sink(heads["importance"], threshold)).groupby(keys, sort=True)
     table = grouped.agg(
         sink_heads=("is_sink", "sum"),
         num_heads=("head", "nunique"),
@@ -261,22 +304,3 @@ def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:
     table["sink_rate"] = (table["sink_heads"] / table["num_heads"]).where(table["measured"] > 0)
     table["threshold"] = threshold
     return table.drop(columns="measured")
-
-
-def sink_rate(ds: xr.Dataset, measure: str = "prob_mass", threshold: float = 0.3) -> pd.DataFrame:
-    """Share of heads per step whose key frame 0 is a sink (Gu et al., ICLR 2025).
-
-    A head's importance of frame 0 is the mean of `measure` on key frame 0 over the query frames
-    that see it; the head counts as a sink head when that exceeds `threshold`.
-    """
-    sink_heads = (first_frame_importance(ds, measure) > threshold).sum(axis=1)
-    return pd.DataFrame(
-        {
-            "timestep": ds["timestep"].values,
-            "pass_kind": [str(kind) for kind in ds["pass_kind"].values],
-            "sink_heads": sink_heads.astype(int),
-            "num_heads": ds.sizes["head"],
-            "sink_rate": sink_heads / ds.sizes["head"],
-        },
-        index=pd.Index(ds["step"].values, name="step"),
-    )
