@@ -1,7 +1,7 @@
 """Benchmark: logit capture at real token geometry on CPU, against a plain zarr write.
 
-Real geometry (DESIGN.md, "Scale, on paper"): a 60 x 104 latent, i.e. T = 1560 tokens per latent
-frame after the 2 x 2 patch, 21 latent frames in 7 blocks of 3, the Self-Forcing schedule (4
+Real geometry (docs/DESIGN.md, "Scale, on paper"): a 60 x 104 latent, i.e. T = 1560 tokens per
+latent frame after the 2 x 2 patch, 21 latent frames in 7 blocks of 3, the Self-Forcing schedule (4
 denoising steps and the cache pass per block). The model is a narrow random-init Wan DiT built in
 process (head_dim 16), so the rollout is cheap on CPU while the captured logits have their real
 size: one head and one pass kind of one layer is 252 visible (T, T) tiles = 1.23 GB of float16.

@@ -49,7 +49,7 @@ TOKENS_PER_FRAME = (LATENT_HEIGHT // 2) * (LATENT_WIDTH // 2)  # the 2 x 2 patch
 SINK_BIAS = 20.0
 # The recommendation: the fastest writer (visible tiles, slowest data set) among the codecs that
 # save at least this fraction of the bytes on every data set. The writer has to keep pace with
-# the GPU (DESIGN.md: 14.7 GB per layer and pass kind); disk is the cheaper resource.
+# the GPU (docs/DESIGN.md: 14.7 GB per layer and pass kind); disk is the cheaper resource.
 MIN_SAVING = 0.05
 
 

@@ -1,6 +1,6 @@
 """Benchmark: token store -> frame dataset (sinkscope.analysis.reduce) at real geometry on CPU.
 
-A token store at the real geometry (DESIGN.md, "Scale, on paper"): T = 1560 tokens per latent
+A token store at the real geometry (docs/DESIGN.md, "Scale, on paper"): T = 1560 tokens per latent
 frame, 21 latent frames in 7 blocks of 3, block-causal visibility. It is built without a model:
 rank-structured logits q k^T / sqrt(head_dim) from random q, k (head_dim 16) with a per-key-frame
 bias (a strong sink on frame 0), computed per row in float32, rounded to float16 and written with

@@ -73,11 +73,6 @@ def video_frames_of_latent(latent_frame: int) -> range:
     return range(4 * latent_frame - 3, 4 * latent_frame + 1)
 
 
-def num_video_frames(num_latent_frames: int) -> int:
-    """81 video frames for 21 latent frames."""
-    return 4 * (num_latent_frames - 1) + 1
-
-
 def video_frame_centers(num_latent_frames: int) -> np.ndarray:
     """Mean video frame index of each latent frame: where to draw it on a video-frame axis."""
     return np.array(

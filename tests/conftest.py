@@ -17,6 +17,13 @@ TINY = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, freq_dim=16, tex
 TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, latent_width=6)
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses the demo run is a workflow test, marked or not."""
+    for item in items:
+        if "demo_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.workflow)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -219,7 +219,7 @@ def test_one_job_per_layer_and_one_job_for_all_layers_write_the_same_bytes(tmp_p
 def test_token_store_bytes_at_real_geometry():
     from sinkscope.frames import token_store_bytes
 
-    # DESIGN.md: 12 heads x sum_b 4680 x 4680 (b + 1) float16 = 14.7 GB per pass kind.
+    # docs/DESIGN.md: 12 heads x sum_b 4680 x 4680 (b + 1) float16 = 14.7 GB per pass kind.
     one_pass = token_store_bytes(
         num_passes=1,
         num_heads=12,

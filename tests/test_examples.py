@@ -13,6 +13,9 @@ from sinkscope.wan.text import make_demo_text_encoder, wan_umt5_key_map
 
 from .workflowtools import REPO, copy_workflow, planned_jobs, snakemake
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 # 5 layers and 10 heads, so the examples' layers [0, 4] and heads L0H0, L4H9 exist.
 EXAMPLE_MODEL = WanConfig(
     dim=60, ffn_dim=64, num_heads=10, num_layers=5, freq_dim=16, text_dim=32, text_len=512

@@ -122,6 +122,7 @@ def overlaps(runs: list[tuple]) -> list[tuple]:
     ]
 
 
+@pytest.mark.workflow
 def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path):
     """`--resources gpu=2` with two (fake) GPUs: two extraction jobs overlap in time, each on a
     GPU of its own, as their stores record; the default profile's gpu=1 runs one at a time."""

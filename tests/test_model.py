@@ -9,10 +9,16 @@ import torch
 from sinkscope.extraction.sampling import CAUSVID, SELF_FORCING, Geometry, Schedule, rollout
 from sinkscope.frames import block_starts, visible_frames
 from sinkscope.wan.config import WanConfig
-from sinkscope.wan.model import WanModel, block_causal_mask
+from sinkscope.wan.model import WanModel
 from sinkscope.wan.rope import apply_rope, rope_angles
 
 from .conftest import TINY, TINY_GEOMETRY, make_tiny_model
+
+
+def block_causal_mask(visible_frames: torch.Tensor, frame_seq_length: int) -> torch.Tensor:
+    """Token mask [F*T, F*T] from a frame visibility matrix bool [F, F] (True = may attend)."""
+    expanded = visible_frames.to(torch.bool).repeat_interleave(frame_seq_length, dim=0)
+    return expanded.repeat_interleave(frame_seq_length, dim=1)
 
 
 def reference_rope(x: np.ndarray, grid: tuple[int, int, int], start_frame: int) -> np.ndarray:

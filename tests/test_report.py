@@ -22,6 +22,9 @@ import yaml
 
 from .workflowtools import REPO, demo_copy, snakemake
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 FORMAT = CONFIG["figures"]["format"]
 LAYERS = sorted(CONFIG["layers"])

@@ -14,6 +14,9 @@ from sinkscope.wan.layout import WEIGHTS_NAME
 
 from .workflowtools import demo_copy, edit_config, planned_jobs, snakemake
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 BROKEN_WEIGHTS = f"weights/broken/{WEIGHTS_NAME}"
 
 

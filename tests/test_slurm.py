@@ -19,6 +19,9 @@ from sinkscope.workflow.resources import extract_mem_mb, extract_runtime
 from .slurmcluster import one_node_cluster, skip_unless_slurm
 from .workflowtools import copy_workflow, snakemake
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 SBATCH_RULES = {"encode_prompt", "extract", "reduce"}
 RUNS = [
     (c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0, 2)

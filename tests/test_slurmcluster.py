@@ -15,6 +15,9 @@ from tests.slurmcluster import (
     slurm_required,
 )
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 
 def _alive(pid: int) -> bool:
     try:

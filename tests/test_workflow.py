@@ -17,6 +17,9 @@ import yaml
 
 from .workflowtools import copy_workflow, demo_copy, edit_config, planned_jobs, snakemake
 
+# Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
+pytestmark = pytest.mark.workflow
+
 
 def test_demo_produces_every_contract(demo_run):
     results = demo_run / "results"
@@ -147,45 +150,12 @@ def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
     ("change", "message"),
     [
         (lambda c: c.update(colour="red"), "colour"),
-        (
-            lambda c: c["checkpoints"].update(real={"base": "weights/missing"}),
-            "weights/missing/config.json",
-        ),
         (lambda c: c.update(layers=[0, 7]), "layers: [7] out of range"),
-        (lambda c: c["prompts"].update(blank="   "), "instance['prompts']['blank']"),
-        (lambda c: c["figures"].update(heads=[[1, 0]]), "figures.heads: layer 1 is not captured"),
-        (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
-        (
-            lambda c: c["prompts"].update(fox={"text": "fox", "embeddings": "nope.safetensors"}),
-            "prompts.fox.embeddings: file not found: nope.safetensors",
-        ),
-        (
-            lambda c: c.update(text_encoder={"path": "config.yaml"}),
-            "text_encoder.tokenizer: required with Wan's encoder file config.yaml",
-        ),
-        (
-            lambda c: c["text_encoder"].update(text_len=512),
-            "text_encoder.text_len=512 exceeds text_len=128 of checkpoint 'demo_a'",
-        ),
-        (
-            lambda c: c["demo"]["text_encoder"].update(d_model=16),
-            "demo.text_encoder.d_model=16 differs from text_dim=32",
-        ),
     ],
-    ids=[
-        "unknown-key",
-        "missing-checkpoint",
-        "layer-out-of-range",
-        "empty-prompt",
-        "figure-head",
-        "window-too-small",
-        "missing-embeddings",
-        "pth-without-tokenizer",
-        "text-too-long",
-        "encoder-width",
-    ],
+    ids=["schema", "check_config"],
 )
 def test_bad_config_fails_before_any_job(tmp_path, change, message):
+    """The schema and check_config run when Snakemake parses (every case: tests/test_config.py)."""
     workdir = copy_workflow(tmp_path / "w")
     edit_config(workdir, change)
     result = snakemake(workdir, check=False)

@@ -32,7 +32,6 @@ from pathlib import PurePath
 SCOPES = ("layer", "run", "compare")
 LAYER_SETS = ("captured", "heads")
 FORMATS = ("svg", "png", "pdf")
-COMPARE_FOLDER = "compare"
 
 
 @dataclass(frozen=True)

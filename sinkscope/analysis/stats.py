@@ -28,7 +28,6 @@ STAT_COLUMNS = [
     "entropy",
     "importance",
 ]
-HEAD_CLASSES = ("sink", "recent", "spread")
 COLUMNS = [
     "checkpoint",
     "prompt",

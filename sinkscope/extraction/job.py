@@ -17,8 +17,9 @@ import torch
 from sinkscope import __version__
 from sinkscope.frames import token_store_bytes
 from sinkscope.passes import resolve_passes
-from sinkscope.wan.checkpoint import CheckpointSpec, load_wan_model
+from sinkscope.wan.checkpoint import load_wan_model
 from sinkscope.wan.config import WanConfig
+from sinkscope.wan.spec import CheckpointSpec
 from sinkscope.wan.text import load_prompt_embedding
 from sinkscope.workflow.digest import combine, sha256_file
 from sinkscope.workflow.gpus import job_device

@@ -383,11 +383,3 @@ class WanModel(nn.Module):
         out = tokens.view(tokens.shape[0], f, h, w, pt, ph, pw, c)
         out = torch.einsum("bfhwpqrc->bcfphqwr", out)
         return out.reshape(tokens.shape[0], c, f * pt, h * ph, w * pw)
-
-
-def block_causal_mask(
-    visible_frames: torch.Tensor, frame_seq_length: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Token mask [F*T, F*T] from a frame visibility matrix bool [F, F] (True = may attend)."""
-    expanded = visible_frames.to(torch.bool).repeat_interleave(frame_seq_length, dim=0)
-    return expanded.repeat_interleave(frame_seq_length, dim=1).to(device)

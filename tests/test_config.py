@@ -1,0 +1,173 @@
+"""Config checks and rule params in-process: the schema with its defaults, `check_config`, and
+what decides the reruns of extraction jobs (no Snakemake subprocess; tests/test_workflow.py keeps
+two end-to-end cases that show the checks run before any job)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import yaml
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+from sinkscope.wan.spec import CheckpointSpec
+from sinkscope.workflow import entries
+from sinkscope.workflow.checks import check_config
+from sinkscope.workflow.entries import ConfigError, checkpoint_spec
+from sinkscope.workflow.params import extraction_settings
+
+from .workflowtools import REPO
+
+DEMO = yaml.safe_load((REPO / "config.yaml").read_text())
+SCHEMA = str(REPO / "schemas" / "config.schema.yaml")
+
+
+def checked(change=None) -> dict:
+    """The demo config with `change` applied, validated (defaults filled) and checked, as
+    rules/common.smk does; paths are relative to the repository, as to the workdir there."""
+    config = copy.deepcopy(DEMO)
+    if change is not None:
+        change(config)
+    validate(config, SCHEMA)
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        check_config(config)
+    finally:
+        os.chdir(cwd)
+    return config
+
+
+def test_the_demo_config_passes():
+    config = checked()
+    assert config["capture"]["keep_tokens"] is True  # a schema default, filled in
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.update(colour="red"), "colour"),
+        (lambda c: c["prompts"].update(blank="   "), "['prompts']['blank']"),
+        (lambda c: c["sampler"].update(local_attn_size=0), "local_attn_size"),
+        (lambda c: c.update(device="gpu"), "device"),
+    ],
+    ids=["unknown-key", "empty-prompt", "zero-window", "bad-device"],
+)
+def test_schema_refuses(change, message):
+    with pytest.raises(WorkflowError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        checked(change)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda c: c["checkpoints"].update(real={"base": "weights/missing"}),
+            "checkpoints.real: checkpoint file not found: weights/missing/config.json",
+        ),
+        (lambda c: c.update(layers=[0, 7]), "layers: [7] out of range for checkpoint 'demo_a'"),
+        (lambda c: c["figures"].update(heads=[[1, 0]]), "figures.heads: layer 1 is not captured"),
+        (lambda c: c["figures"].update(heads=[[0, 4]]), "figures.heads: head 4 out of range"),
+        (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
+        (lambda c: c["sampler"].update(sink_size=1), "sampler.sink_size needs a window"),
+        (
+            lambda c: c["checkpoints"]["demo_b"].update(sampler={"steps": [999.5], "warp": True}),
+            "checkpoints.demo_b.sampler.steps: warped steps must be integers",
+        ),
+        (
+            lambda c: c["prompts"].update(fox={"text": "fox", "embeddings": "nope.safetensors"}),
+            "prompts.fox.embeddings: file not found: nope.safetensors",
+        ),
+        (
+            lambda c: c.update(text_encoder={"path": "config.yaml"}),
+            "text_encoder.tokenizer: required with Wan's encoder file config.yaml",
+        ),
+        (
+            lambda c: c["text_encoder"].update(text_len=512),
+            "text_encoder.text_len=512 exceeds text_len=128 of checkpoint 'demo_a'",
+        ),
+        (
+            lambda c: c["demo"]["text_encoder"].update(d_model=16),
+            "demo.text_encoder.d_model=16 differs from text_dim=32",
+        ),
+        (
+            lambda c: c["video"].update(latent_height=7),
+            "video: latent grid 7x12 is not divisible by the patch size 2x2",
+        ),
+        (lambda c: c["video"].update(frames_per_block=22), "video.frames_per_block=22 exceeds"),
+        (lambda c: c["capture"].update(passes=[9]), "capture.passes: 9 is not"),
+        (lambda c: c["figures"].update(step=5), "figures.step=5 but only 5 passes"),
+        (
+            lambda c: (
+                c["capture"].update(tokens=False),
+                c["figures"].update(measure="probabilities"),
+            ),
+            "figures.measure: probabilities need the token logits",
+        ),
+        (
+            lambda c: c["checkpoints"]["demo_a"].update(generator="x.pt"),
+            "checkpoints.demo_a.generator: a demo checkpoint has no generator file",
+        ),
+    ],
+    ids=[
+        "missing-checkpoint",
+        "layer-out-of-range",
+        "figure-layer",
+        "figure-head",
+        "window-too-small",
+        "sink-without-window",
+        "fractional-warped-step",
+        "missing-embeddings",
+        "pth-without-tokenizer",
+        "text-too-long",
+        "encoder-width",
+        "latent-not-patchable",
+        "block-too-long",
+        "bad-pass",
+        "figure-step",
+        "probabilities-without-tokens",
+        "demo-with-generator",
+    ],
+)
+def test_check_config_names_the_key(change, message):
+    with pytest.raises(ConfigError) as raised:
+        checked(change)
+    assert message in str(raised.value)
+
+
+def test_extraction_params_hold_the_checkpoint_spec_and_its_content(tmp_path):
+    config = checked()
+    params = extraction_settings(config, "demo_a", tmp_path / "cache.json")
+    assert params["checkpoint"] == {
+        "base": "results/demo/demo_a",
+        "demo_model": {},
+        "demo_seed": 1,
+        "ema": True,
+    }
+    # Sampler overrides of the entry are the sampler's, not the spec's.
+    config["checkpoints"]["demo_a"]["sampler"] = {"shift": 8.0}
+    again = extraction_settings(config, "demo_a", tmp_path / "cache.json")
+    assert again["checkpoint"] == params["checkpoint"] and again["sampler"]["shift"] == 8.0
+
+
+def test_a_new_checkpoint_key_changes_params_and_reaches_the_loader(monkeypatch, tmp_path):
+    """Adding a key = the schema + a CheckpointSpec field: the params (so the reruns) see it."""
+
+    @dataclasses.dataclass(frozen=True)
+    class SpecWithRevision(CheckpointSpec):
+        revision: str | None = None
+
+    monkeypatch.setattr(entries, "CheckpointSpec", SpecWithRevision)
+    config = checked()
+    before = extraction_settings(config, "demo_a", tmp_path / "cache.json")
+    config["checkpoints"]["demo_a"]["revision"] = "r2"
+    after = extraction_settings(config, "demo_a", tmp_path / "cache.json")
+    assert after != before and after["checkpoint"]["revision"] == "r2"
+    assert checkpoint_spec(config, "demo_a") == SpecWithRevision(
+        base="results/demo/demo_a", revision="r2"
+    )
+    # What the job rebuilds from its params is the same spec.
+    assert SpecWithRevision.from_entry(after["checkpoint"]) == checkpoint_spec(config, "demo_a")

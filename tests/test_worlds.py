@@ -1,0 +1,73 @@
+"""The package's three worlds keep to their imports (see each subpackage's docstring): parse-time
+code and analysis never load torch, and no world reaches into one it must not."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from .workflowtools import REPO
+
+PACKAGE = REPO / "sinkscope"
+# world -> sinkscope modules it may not import (prefixes)
+FORBIDDEN = {
+    "analysis": ("sinkscope.extraction", "sinkscope.wan", "sinkscope.workflow"),
+    "workflow": (
+        "sinkscope.extraction",
+        "sinkscope.analysis.reduce",
+        "sinkscope.analysis.stats",
+        "sinkscope.analysis.plots",
+        "sinkscope.wan.model",
+        "sinkscope.wan.checkpoint",
+        "sinkscope.wan.text",
+        "sinkscope.wan.rope",
+    ),
+    "extraction": ("sinkscope.analysis",),
+}
+
+
+def imported_modules(path) -> set[str]:
+    """Absolute names of the sinkscope modules a file imports (relative imports resolved)."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+            names.add(base)
+    return {name for name in names if name.startswith("sinkscope")}
+
+
+@pytest.mark.parametrize("world", sorted(FORBIDDEN))
+def test_worlds_import_only_what_they_may(world):
+    offences = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted((PACKAGE / world).glob("*.py"))
+        for name in sorted(imported_modules(path))
+        if name.startswith(FORBIDDEN[world])
+    ]
+    assert not offences
+
+
+def test_parse_time_and_analysis_code_load_no_torch():
+    # What rules/common.smk imports must stay light: every cluster job parses the workflow again.
+    parse_time = (
+        "import sinkscope.workflow.checks, sinkscope.workflow.params, "
+        "sinkscope.workflow.resources, sinkscope.analysis.figures, sinkscope.wan.spec; "
+        "import sys; heavy = {'torch', 'matplotlib', 'xarray', 'zarr', 'pandas'}; "
+        "assert not heavy & set(sys.modules), heavy & set(sys.modules)"
+    )
+    analysis = (
+        "import sinkscope.analysis.plots, sinkscope.analysis.stats, sinkscope.analysis.reduce; "
+        "import sys; assert 'torch' not in sys.modules"
+    )
+    for code in (parse_time, analysis):
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
