@@ -339,10 +339,11 @@ def make_demo_text_encoder(
     )
     torch.manual_seed(seed)
     encoder = UMT5EncoderModel(config).eval()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    encoder.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
-    (out_dir / "sinkscope_demo.json").write_text(json.dumps({"seed": seed}) + "\n")
+    with atomic_path(out_dir) as folder:
+        folder.mkdir()
+        encoder.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+        (folder / "sinkscope_demo.json").write_text(json.dumps({"seed": seed}) + "\n")
 
 
 def import_prompt_embedding(src: str | Path, out: str | Path, *, prompt: str) -> None:
