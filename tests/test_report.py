@@ -20,6 +20,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from sinkscope.analysis import figures
+
 from .workflowtools import REPO, demo_copy, snakemake
 
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
@@ -29,49 +31,22 @@ CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 FORMAT = CONFIG["figures"]["format"]
 LAYERS = sorted(CONFIG["layers"])
 RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
-LAYER_KINDS = ["heads_grid", "heads_heatmap", "frame_maps"]
-RUN_KINDS = ["layer_comparison", "statistics"]
-COMPARE_KINDS = ["checkpoints", "prompts", "passes"]
-
-
-def layer_label(layers) -> str:
-    return ", ".join(f"L{layer}" for layer in sorted(set(layers)))
-
-
-HEAD_LAYERS = layer_label(layer for layer, _ in CONFIG["figures"]["heads"])
+HEAD_LAYERS = sorted({layer for layer, _ in CONFIG["figures"]["heads"]})
 
 
 def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
-    """path -> (subcategory, caption file stem, labels) for every figure of the demo."""
-    figures = {}
+    """path -> (subcategory, caption file stem, labels) for every figure of the demo, from the
+    registry (whose names and labels tests/test_figures.py checks by hand)."""
+    expected = {}
     for checkpoint, prompt in RUNS:
         folder = f"results/figures/{checkpoint}/{prompt}"
-        sub = f"{checkpoint} / {prompt}"
-        figures[f"{folder}/figure4.{FORMAT}"] = (
-            sub,
-            "figure4",
-            {"figure": "figure4", "layer": HEAD_LAYERS},
-        )
-        for layer in LAYERS:
-            for kind in LAYER_KINDS:
-                figures[f"{folder}/layer{layer}_{kind}.{FORMAT}"] = (
-                    sub,
-                    kind,
-                    {"figure": kind.replace("_", " "), "layer": f"L{layer}"},
-                )
-        for kind in RUN_KINDS:
-            figures[f"{folder}/{kind}.{FORMAT}"] = (
-                sub,
-                kind,
-                {"figure": kind.replace("_", " "), "layer": layer_label(LAYERS)},
-            )
-    for kind in COMPARE_KINDS:
-        figures[f"results/figures/compare/{kind}.{FORMAT}"] = (
-            "across checkpoints and prompts",
-            f"compare_{kind}",
-            {"figure": kind, "layer": HEAD_LAYERS},
-        )
-    return figures
+        for figure in figures.run_figures(folder, LAYERS, HEAD_LAYERS, FORMAT):
+            caption = figure.kind.caption.removesuffix(".rst")
+            expected[figure.path] = (f"{checkpoint} / {prompt}", caption, figure.labels)
+    for figure in figures.compare_figures("results/figures/compare", LAYERS, HEAD_LAYERS, FORMAT):
+        caption = figure.kind.caption.removesuffix(".rst")
+        expected[figure.path] = ("across checkpoints and prompts", caption, figure.labels)
+    return expected
 
 
 def embedded(page: str, name: str):
@@ -143,9 +118,10 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     results = embedded(page, "results")
     categories = embedded(page, "categories")
     expected = expected_figures()
+    # figure4, 3 per layer, layer_comparison and statistics per run; 3 across runs.
     assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2) + 3 == 39
-    figures = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
-    assert figures == set(expected)
+    images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
+    assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
         entry = results[path]
         assert path in categories["Figures"][subcategory], path
