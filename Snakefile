@@ -2,12 +2,20 @@
 # The DAG, the file contracts and the layout: docs/DESIGN.md.
 from snakemake.utils import min_version, validate
 
+from sinkscope.workflow.entries import ConfigError
+from sinkscope.workflow.checks import check_config_files
+
 min_version("9.0")
 
 
 configfile: "config.yaml"
 
 
+# Before the schema: YAML keeps only the last of two equal keys, and the schema cannot tell.
+try:
+    check_config_files(workflow.configfiles)
+except ConfigError as err:
+    raise WorkflowError(str(err)) from None
 validate(config, "schemas/config.schema.yaml")
 
 
@@ -34,16 +42,26 @@ localrules:
     compare_figures,
 
 
+# Every output a user opens is a target, so a plain rerun restores whatever is missing.
 rule all:
     default_target: True
     input:
         expand(
-            "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+            [
+                *(
+                    ["results/logits/{checkpoint}/{prompt}/layer{layer}.zarr"]
+                    * KEEP_TOKENS
+                ),
+                "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
+                "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+            ],
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
             layer=LAYERS,
         ),
         "results/stats/summary.csv",
+        "results/stats/summary.html",
+        "results/stats/sink_rate.csv",
         expand(
             [figure.path for figure in RUN_FIGURES],
             checkpoint=CHECKPOINTS,

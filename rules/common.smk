@@ -49,9 +49,12 @@ COMPARE_FIGURES = compare_figures(
 )
 
 
+KEEP_TOKENS = config["capture"]["keep_tokens"]
+
+
 def token_store(path):
     """Token stores are temp() unless capture.keep_tokens: deleted once reduced."""
-    return path if config["capture"]["keep_tokens"] else temp(path)
+    return path if KEEP_TOKENS else temp(path)
 
 
 def checkpoint_files_input(wildcards):

@@ -11,11 +11,19 @@ with job_log(snakemake.log[0]):
         import_prompt_embedding(snakemake.input.embeddings, snakemake.output[0], prompt=text)
     else:
         with job_device(snakemake.params.device) as claim:
-            embeds, length = encode_prompt(
+            encoded = encode_prompt(
                 text,
                 encoder["path"],
                 tokenizer_dir=encoder["tokenizer"],
                 text_len=encoder["text_len"],
                 device=claim.device,
+                # From the config, not params: it decides whether the job fails, not its bytes.
+                on_truncate=snakemake.config["text_encoder"]["truncate"],
             )
-        save_prompt_embedding(snakemake.output[0], embeds, prompt=text, length=length)
+        save_prompt_embedding(
+            snakemake.output[0],
+            encoded.embeds,
+            prompt=text,
+            length=encoded.length,
+            prompt_tokens=encoded.prompt_tokens,
+        )

@@ -92,3 +92,37 @@ def token_store_bytes(
     """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
     tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
     return num_passes * num_heads * tiles * frame_seq_length**2 * 2
+
+
+# Per (T, T) chunk on disk beyond its float16 values: blosc's header and its worst-case expansion
+# of incompressible data (16 bytes), a crc32c checksum (4), and its entry in the shard index (16).
+_CHUNK_OVERHEAD_BYTES = 16 + 4 + 16
+# Metadata files (group and arrays, consolidated, with the job's settings in the attributes).
+_METADATA_BYTES = 1 << 16
+
+
+def token_store_disk_bytes(
+    *,
+    num_passes: int,
+    num_heads: int,
+    frame_seq_length: int,
+    sizes: Sequence[int],
+    local_attn_size: int,
+    sink_size: int,
+    block_size: int = 4096,
+) -> int:
+    """An upper bound of the disk space one layer's token store occupies, whatever the logits
+    compress to: every visible tile stored raw with its overheads, each shard file (one per pass,
+    head and query frame) and directory rounded up to a filesystem block of `block_size` bytes,
+    the coordinate and pooled arrays and the metadata."""
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    num_frames = int(sum(sizes))
+    rows = num_passes * num_heads * num_frames  # shard files
+    chunks = num_passes * num_heads * tiles
+    data = chunks * (frame_seq_length**2 * 2 + _CHUNK_OVERHEAD_BYTES) + rows * (4 + block_size)
+    # c/, c/<pass>/, c/<pass>/<head>/, c/<pass>/<head>/<query frame>/ and the arrays' folders.
+    directories = (2 + num_passes + num_passes * num_heads + rows + 8) * block_size
+    coordinates = 2 * (num_frames * frame_seq_length * 4 + 2 * block_size)
+    pooled = num_passes * num_heads * num_frames**2 * 4 + 2 * block_size
+    small = 4 * block_size  # timestep and pass_kind
+    return data + directories + coordinates + pooled + small + _METADATA_BYTES

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def job_log(path: str | Path | None) -> Iterator[None]:
-    """Send logging, stdout and stderr (progress bars) to `path`; record a failure's traceback."""
+    """Send logging, stdout and stderr (progress bars) to `path`, warnings to the console as well;
+    record a failure's traceback."""
     if path is None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         yield
@@ -21,8 +23,13 @@ def job_log(path: str | Path | None) -> Iterator[None]:
     with open(path, "w", buffering=1) as handle:
         handler = logging.StreamHandler(handle)
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        # Warnings reach the console too (Snakemake shows a local job's stderr; on SLURM its log).
+        console = logging.StreamHandler(sys.__stderr__)
+        console.setLevel(logging.WARNING)
+        console.setFormatter(logging.Formatter(f"sinkscope: %(levelname)s ({path}): %(message)s"))
         root = logging.getLogger()
         root.addHandler(handler)
+        root.addHandler(console)
         root.setLevel(logging.INFO)
         try:
             with contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
@@ -32,3 +39,4 @@ def job_log(path: str | Path | None) -> Iterator[None]:
             raise
         finally:
             root.removeHandler(handler)
+            root.removeHandler(console)

@@ -9,13 +9,24 @@ world (jobs, analysis, the parse-time digest cache); no torch.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import logging
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 TEMPORARY_SUFFIX = ".tmp"
+# Where jobs of one workflow record the disk space they are about to fill (relative to the
+# workdir, where every job runs, on a cluster too).
+SPACE_LEDGER = ".snakemake/sinkscope/space"
+# A reservation of another host cannot be checked for a live job; after this it no longer counts.
+FOREIGN_RESERVATION_SECONDS = 24 * 3600
 # zarr's default pipeline runs every inner chunk of a shard through the codecs on its own; batching
 # them halves write and read time when tiles are small (measured on the demo's 24 x 24 tiles).
 ZARR_TUNING = {"codec_pipeline.batch_size": 32}
@@ -79,3 +90,128 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as temporary:
         temporary.write_text(text)
     return Path(path)
+
+
+@contextlib.contextmanager
+def locked(lock_file: str | os.PathLike) -> Iterator[None]:
+    """An exclusive flock on `lock_file` (created) while the block runs; on a filesystem without
+    flock (Lustre without -o flock) the block runs unlocked, so callers keep their writes atomic."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            held = True
+        except OSError:
+            held = False
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def disk_usage_bytes(path: str | os.PathLike) -> int:
+    """Bytes a file or a directory tree occupies on disk (allocated blocks); 0 if absent."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    if not path.is_dir():
+        return path.stat().st_blocks * 512
+    total = path.stat().st_blocks * 512
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _reservations(ledger: Path, device: int) -> list[tuple[Path, int]]:
+    """(entry, bytes still to be written) of the live reservations on filesystem `device`;
+    entries of dead jobs on this host, and old ones of other hosts, are removed."""
+    host = socket.gethostname()
+    live = []
+    for entry in sorted(ledger.glob("*.json")):
+        try:
+            record = json.loads(entry.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # being written, or gone
+        if record.get("host") == host:
+            stale = not _alive(int(record.get("pid", -1)))
+        else:
+            stale = time.time() - float(record.get("started", 0)) > FOREIGN_RESERVATION_SECONDS
+        if stale:
+            entry.unlink(missing_ok=True)
+            continue
+        if record.get("device") != device:
+            continue
+        # What it already wrote is no longer free: count only the rest of its reservation.
+        written = sum(disk_usage_bytes(path) for path in record.get("paths", []))
+        live.append((entry, max(0, int(record["bytes"]) - written)))
+    return live
+
+
+@contextlib.contextmanager
+def reserved_space(
+    folder: str | os.PathLike,
+    needed: int,
+    *,
+    writing: Sequence[str | os.PathLike],
+    what: str = "the outputs",
+    ledger: str | os.PathLike = SPACE_LEDGER,
+) -> Iterator[None]:
+    """Claim `needed` bytes on the filesystem of `folder` while the block writes `writing`.
+
+    Fails (OSError, before anything is written) when the free space, less what other running jobs
+    of the workflow have claimed and not yet written, cannot hold `needed`: jobs started together
+    cannot all count the same free space. The claim is a file in `ledger`, removed when the block
+    ends; a killed job's claim is dropped by the next job that finds its process gone.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    ledger = Path(ledger)
+    device = folder.stat().st_dev
+    mine = ledger / f"{socket.gethostname()}.{os.getpid()}.json"
+    with locked(ledger / "lock"):
+        others = [(entry, left) for entry, left in _reservations(ledger, device) if entry != mine]
+        held = sum(left for _, left in others)
+        free = shutil.disk_usage(folder).free
+        log.info(
+            "will write up to %.2f GB to %s; %.2f GB free, %.2f GB of it claimed by %d other jobs",
+            needed / 1e9,
+            folder,
+            free / 1e9,
+            held / 1e9,
+            len(others),
+        )
+        if free - held < needed:
+            claims = "".join(f"\n  {entry} ({left / 1e9:.2f} GB)" for entry, left in others)
+            raise OSError(
+                f"{folder}: {free / 1e9:.2f} GB free, {held / 1e9:.2f} GB of it claimed by "
+                f"{len(others)} running jobs, but {what} need up to {needed / 1e9:.2f} GB"
+                + (f"; claims (delete one whose job is gone):{claims}" if others else "")
+            )
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": device,
+            "bytes": int(needed),
+            "paths": [str(Path(path).resolve()) for path in writing],
+            "started": time.time(),
+        }
+        with atomic_path(mine) as temporary:
+            temporary.write_text(json.dumps(record))
+    try:
+        yield
+    finally:
+        mine.unlink(missing_ok=True)

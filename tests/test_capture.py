@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 
 import numpy as np
@@ -239,7 +240,7 @@ def test_extraction_fails_early_without_disk_space(tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     out = tmp_path / "out" / "layer0.zarr"
-    with pytest.raises(OSError, match=r"out: 0\.00 GB free, but the token stores need up to"):
+    with pytest.raises(OSError, match=r"out: 0\.00 GB free, 0\.00 GB of it claimed by 0 running"):
         extract(
             checkpoint_name="tiny",
             prompt_name="p",
@@ -250,6 +251,84 @@ def test_extraction_fails_early_without_disk_space(tmp_path, monkeypatch):
             progress=False,
         )
     assert not out.exists() and not partial_path(out).exists()
+
+
+def test_disk_bound_holds_for_incompressible_logits(tmp_path):
+    """The space an extraction claims bounds what its store really occupies, even when the logits
+    do not compress at all (random float16 bits), blocks, directories and metadata included."""
+    from sinkscope.frames import token_store_disk_bytes
+    from sinkscope.storage import disk_usage_bytes
+
+    sizes, t, heads, steps = [2, 2, 2], 24, 2, [1000.0, 0.0]
+    path = tmp_path / "store.zarr"
+    seen = visible_frames(sizes)
+    rng = np.random.default_rng(0)
+    writer = TokenStoreWriter(
+        path,
+        num_heads=heads,
+        num_frames=6,
+        frame_seq_length=t,
+        timesteps=steps,
+        pass_kinds=["denoise", "cache"],
+        attrs={"config": {"sampler": {"steps": [1000] * 50}}, "block_sizes": sizes},
+    )
+    with writer:
+        for step in range(len(steps)):
+            for head in range(heads):
+                for frame in range(6):
+                    keys = np.flatnonzero(seen[frame])
+                    bits = rng.integers(0, 0x7C00, (t, len(keys) * t), dtype=np.uint16)
+                    writer.write_row(step, head, frame, bits.view(np.float16), keys)
+    bound = token_store_disk_bytes(
+        num_passes=len(steps),
+        num_heads=heads,
+        frame_seq_length=t,
+        sizes=sizes,
+        local_attn_size=-1,
+        sink_size=0,
+        block_size=os.statvfs(tmp_path).f_frsize,
+    )
+    used = disk_usage_bytes(path)
+    assert 0 < used <= bound, (used, bound)
+
+
+def test_jobs_on_one_filesystem_do_not_count_the_same_free_space(tmp_path, monkeypatch):
+    """Two extractions, room for one: the second fails its check while the first still holds
+    its claim, and gets the room once the first is done (or dead)."""
+    import multiprocessing
+    import shutil
+
+    from sinkscope import storage
+
+    ledger = tmp_path / "ledger"
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1500))
+    context = multiprocessing.get_context("fork")
+    claimed, release = context.Event(), context.Event()
+
+    def first_job():
+        with storage.reserved_space(
+            tmp_path / "a", 1000, writing=[tmp_path / "a" / "x.partial"], ledger=ledger
+        ):
+            claimed.set()
+            release.wait(30)
+
+    job = context.Process(target=first_job)
+    job.start()
+    try:
+        assert claimed.wait(30)
+        with pytest.raises(OSError, match=r"1 running jobs, but the outputs need up to") as err:
+            with storage.reserved_space(tmp_path / "b", 1000, writing=[], ledger=ledger):
+                pass
+        assert str(ledger) in str(err.value)  # names the claim that holds the space
+        with storage.reserved_space(tmp_path / "b", 400, writing=[], ledger=ledger):
+            pass  # what is left after the first claim
+    finally:
+        release.set()
+        job.join(30)
+    with storage.reserved_space(tmp_path / "b", 1000, writing=[], ledger=ledger):
+        assert len(list(ledger.glob("*.json"))) == 1  # its own
+    assert not list(ledger.glob("*.json"))
 
 
 def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text):

@@ -99,3 +99,23 @@ def test_an_unreadable_cache_is_rebuilt(tmp_path):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
         cached_sha256([tmp_path / "nope.safetensors"], tmp_path / "cache.json")
+
+
+def test_bytes_rewritten_in_place_with_the_mtime_restored_are_hashed_again(tmp_path, counted_reads):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(b"a" * 4096)
+    settle(path)
+    cache = tmp_path / "cache.json"
+    before = cached_sha256([path], cache)
+    stat = path.stat()
+    with open(path, "r+b") as handle:  # same inode, same size
+        handle.write(b"b")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        stat.st_size,
+        stat.st_mtime_ns,
+        stat.st_ino,
+    )
+    assert cached_sha256([path], cache) == hashlib.sha256(b"b" + b"a" * 4095).hexdigest() != before
+    assert counted_reads == [str(path), str(path)]

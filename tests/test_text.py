@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_wan_pth_matches_transformers(tmp_path, file_dtype):
     assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
 
 
-def test_encode_prompt_pth_equals_directory(tmp_path):
+def test_encode_prompt_pth_equals_directory(tmp_path, caplog):
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     demo = tmp_path / "demo"
@@ -130,13 +131,13 @@ def test_encode_prompt_pth_equals_directory(tmp_path):
     torch.save(export_to_wan(UMT5EncoderModel.from_pretrained(str(demo))), pth)
     prompt = "  A red fox\n\truns, at dawn.  "
 
-    via_dir, length = encode_prompt(prompt, demo, text_len=24)
-    via_pth, pth_length = encode_prompt(prompt, pth, tokenizer_dir=demo, text_len=24)
+    via_dir, length, prompt_tokens = encode_prompt(prompt, demo, text_len=24)
+    via_pth, pth_length, _ = encode_prompt(prompt, pth, tokenizer_dir=demo, text_len=24)
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo))
     ids = tokenizer(clean_prompt(prompt)).input_ids
     assert ids[-1] == tokenizer.eos_token_id
-    assert length == pth_length == len(ids) < 24
+    assert length == pth_length == prompt_tokens == len(ids) < 24
     assert via_dir.shape == via_pth.shape == (24, 32)
     assert via_dir.dtype == via_pth.dtype == torch.float32
     torch.testing.assert_close(via_pth, via_dir, rtol=0, atol=1e-6)
@@ -144,16 +145,28 @@ def test_encode_prompt_pth_equals_directory(tmp_path):
     assert torch.all(via_pth[:length].abs().sum(dim=1) > 0)
 
     # Wan's cleaning happens inside encode_prompt: the messy prompt encodes as the clean one.
-    clean, clean_length = encode_prompt(
+    clean, clean_length, _ = encode_prompt(
         "A red fox runs, at dawn.", pth, tokenizer_dir=demo, text_len=24
     )
     assert clean_length == length
     torch.testing.assert_close(clean, via_pth, rtol=0, atol=0)
 
-    # Truncated to text_len tokens, EOS kept as the last one: no padded rows.
-    truncated, truncated_length = encode_prompt(prompt * 4, pth, tokenizer_dir=demo, text_len=8)
-    assert truncated_length == 8
+    # Truncated to text_len tokens, EOS kept as the last one: no padded rows; said in the log,
+    # or an error when asked for.
+    long_ids = tokenizer(clean_prompt(prompt * 4)).input_ids
+    with caplog.at_level(logging.WARNING, logger="sinkscope.wan.text"):
+        truncated, truncated_length, full = encode_prompt(
+            prompt * 4, pth, tokenizer_dir=demo, text_len=8
+        )
+    assert truncated_length == 8 and full == len(long_ids) > 8
     assert torch.all(truncated.abs().sum(dim=1) > 0)
+    lost = tokenizer.decode(long_ids[7:-1], skip_special_tokens=True)
+    (record,) = caplog.records
+    assert f"prompt of {len(long_ids)} tokens" in record.message and repr(lost) in record.message
+    with pytest.raises(ValueError, match=r"longer than text_len=8.*truncate: error"):
+        encode_prompt(prompt * 4, pth, tokenizer_dir=demo, text_len=8, on_truncate="error")
+    with pytest.raises(ValueError, match="empty after Wan's cleaning"):
+        encode_prompt("&amp;nbsp;", pth, tokenizer_dir=demo, text_len=8)
 
     with pytest.raises(ValueError, match=rf"{re.escape(str(pth))}.*tokenizer_dir"):
         encode_prompt(prompt, pth, text_len=24)
@@ -169,8 +182,8 @@ def test_encode_prompt_pth_on_cuda_is_bf16_close(tmp_path):
     make_demo_text_encoder(demo, d_model=32, num_layers=2, num_heads=4)
     pth = tmp_path / "umt5.pth"
     torch.save(export_to_wan(UMT5EncoderModel.from_pretrained(str(demo))), pth)
-    on_cpu, length = encode_prompt("a fox", pth, tokenizer_dir=demo, text_len=16)
-    on_cuda, cuda_length = encode_prompt(
+    on_cpu, length, _ = encode_prompt("a fox", pth, tokenizer_dir=demo, text_len=16)
+    on_cuda, cuda_length, _ = encode_prompt(
         "a fox", pth, tokenizer_dir=demo, text_len=16, device="cuda"
     )
     assert cuda_length == length

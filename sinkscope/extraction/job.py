@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import shutil
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from sinkscope import __version__
-from sinkscope.frames import token_store_bytes
+from sinkscope.frames import token_store_disk_bytes
 from sinkscope.passes import resolve_passes
+from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.spec import CheckpointSpec
@@ -26,7 +27,7 @@ from sinkscope.workflow.gpus import job_device
 
 from .capture import LogitCapture
 from .sampling import Geometry, Schedule, rollout
-from .store import TokenStoreWriter
+from .store import TokenStoreWriter, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +35,6 @@ log = logging.getLogger(__name__)
 def model_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPU as Self-Forcing runs; fp32 on CPU, where bf16 matmuls are slow and lossy."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def check_free_space(paths: Sequence[Path], needed: int) -> None:
-    """Fail before any compute when the filesystem of `paths` cannot hold `needed` bytes."""
-    folder = Path(paths[0]).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    log.info(
-        "will write up to %.2f GB (uncompressed) to %s; %.2f GB free",
-        needed / 1e9,
-        folder,
-        free / 1e9,
-    )
-    if free < needed:
-        raise OSError(
-            f"{folder}: {free / 1e9:.2f} GB free, but the token stores need up to "
-            f"{needed / 1e9:.2f} GB (uncompressed float16 logits of the visible tiles); free space "
-            "or capture fewer passes (capture.passes)"
-        )
 
 
 @dataclass(frozen=True)
@@ -100,6 +82,15 @@ class RolloutPlan:
         return [every[p] for p in self.passes]
 
 
+def prompt_token_attrs(text_meta: dict[str, str]) -> dict:
+    """Token counts of an encoded prompt (none for imported embeddings): `prompt_tokens` of the
+    whole prompt, `prompt_tokens_kept` encoded, `prompt_truncated` when the tail was cut."""
+    if "prompt_tokens" not in text_meta or "length" not in text_meta:
+        return {}
+    total, kept = int(text_meta["prompt_tokens"]), int(text_meta["length"])
+    return {"prompt_tokens": total, "prompt_tokens_kept": kept, "prompt_truncated": kept < total}
+
+
 def load_checkpoint(
     name: str, settings: dict, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.nn.Module, str]:
@@ -118,8 +109,10 @@ def plan_stores(
     layers: Sequence[int],
     outputs: Sequence[str | Path],
     attrs: dict,
+    stack: contextlib.ExitStack,
 ) -> list[TokenStoreWriter]:
-    """One open token store per layer, after checking the layers and the free space.
+    """One open token store per layer, entered into `stack`, after checking the layers and
+    claiming their disk space (`storage.reserved_space`, held until the stack closes).
 
     `attrs`: the provenance every store records; the model and geometry facts are added here.
     """
@@ -153,35 +146,40 @@ def plan_stores(
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
         "tokens": plan.tokens,
     }
-    store_bytes = plan.tokens * token_store_bytes(
-        num_passes=len(plan.passes),
+    folder = Path(outputs[0]).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    store_bytes = token_store_disk_bytes(
+        num_passes=len(plan.passes) if plan.tokens else 0,
         num_heads=cfg.num_heads,
         frame_seq_length=frame_seq_length,
         sizes=geometry.block_sizes,
         local_attn_size=plan.local_attn_size,
         sink_size=plan.sink_size,
+        block_size=os.statvfs(folder).f_frsize,
     )
-    check_free_space([Path(out) for out in outputs], store_bytes * len(outputs))
-    writers: list[TokenStoreWriter] = []
-    try:
-        for layer, out in zip(layers, outputs, strict=True):
-            writers.append(
-                TokenStoreWriter(
-                    out,
-                    num_heads=cfg.num_heads,
-                    num_frames=geometry.num_frames,
-                    frame_seq_length=frame_seq_length,
-                    timesteps=plan.timesteps,
-                    pass_kinds=plan.pass_kinds,
-                    attrs={**attrs, "layer": layer},
-                    tokens=plan.tokens,
-                )
+    stack.enter_context(
+        reserved_space(
+            folder,
+            store_bytes * len(outputs),
+            writing=[partial_path(Path(out)) for out in outputs],
+            what="the token stores (float16 logits of the visible tiles, stored raw)",
+        )
+    )
+    return [
+        stack.enter_context(
+            TokenStoreWriter(
+                out,
+                num_heads=cfg.num_heads,
+                num_frames=geometry.num_frames,
+                frame_seq_length=frame_seq_length,
+                timesteps=plan.timesteps,
+                pass_kinds=plan.pass_kinds,
+                attrs={**attrs, "layer": layer},
+                tokens=plan.tokens,
             )
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    return writers
+        )
+        for layer, out in zip(layers, outputs, strict=True)
+    ]
 
 
 def roll_out(
@@ -259,6 +257,7 @@ def extract(
             "checkpoint_sha256": checkpoint_sha256,
             "prompt": prompt_name,
             "prompt_text": text_meta.get("prompt", ""),
+            **prompt_token_attrs(text_meta),
             "seed": settings["seed"],
             "sinkscope_version": __version__,
             "device": str(device),
@@ -268,10 +267,7 @@ def extract(
             "config": settings,
         }
         with contextlib.ExitStack() as stores:
-            writers = [
-                stores.enter_context(writer)
-                for writer in plan_stores(cfg, plan, layers, outputs, provenance)
-            ]
+            writers = plan_stores(cfg, plan, layers, outputs, provenance, stores)
             capture = LogitCapture(
                 dict(zip(layers, writers, strict=True)),
                 plan.passes,

@@ -122,6 +122,13 @@ def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path}: no '{key}' entry (ema={ema}); it has {found}")
     weights = state[key]
+    if not isinstance(weights, dict) or not all(
+        isinstance(v, torch.Tensor) for v in weights.values()
+    ):
+        what = type(weights).__name__
+        raise CheckpointError(
+            f"{path}: '{key}' is a {what}, not a state dict of tensors (parameter name -> tensor)"
+        )
     return {k.removeprefix("model."): v for k, v in weights.items()}
 
 

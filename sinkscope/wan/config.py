@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Every released Wan2.1 DiT has head_dim 128: 1.3B (dim 1536) 12 heads, 14B (dim 5120) 40 heads.
+WAN_HEAD_DIM = 128
+WAN_HEADS_BY_DIM = {1536: 12, 5120: 40}
+
 # Keys the original config.json (or WanModel.__init__) may carry that do not change the T2V DiT.
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path"}
 
@@ -44,6 +48,25 @@ class WanConfig:
             raise ValueError(
                 "qk_norm and cross_attn_norm must be true (as in every Wan2.1 T2V model)"
             )
+
+    def num_heads_doubt(self) -> tuple[str | None, str | None]:
+        """(error, warning) about num_heads. The weights cannot check it: q, k, v, o and the
+        qk-norm span the full width, so a wrong count loads and silently splits the attention
+        into other heads. A released model's width fixes it (error); otherwise a head_dim other
+        than Wan's 128 is suspicious but cannot be decided (warning)."""
+        expected = WAN_HEADS_BY_DIM.get(self.dim)
+        if expected is not None and self.num_heads != expected:
+            return (
+                f"num_heads={self.num_heads}, but every Wan2.1 model of dim {self.dim} has "
+                f"{expected} heads of {WAN_HEAD_DIM} channels",
+                None,
+            )
+        if self.head_dim != WAN_HEAD_DIM:
+            return None, (
+                f"num_heads={self.num_heads} gives head_dim={self.head_dim}, where every released "
+                f"Wan2.1 model has {WAN_HEAD_DIM}; the weights cannot tell, so check num_heads"
+            )
+        return None, None
 
     @property
     def head_dim(self) -> int:

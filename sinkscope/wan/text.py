@@ -10,13 +10,13 @@ own checkpoint `models_t5_umt5-xxl-enc-bf16.pth`, whose keys are renamed onto `U
 
 from __future__ import annotations
 
-import html
 import json
+import logging
 import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,10 +24,14 @@ from safetensors.torch import save_file
 
 from sinkscope.storage import atomic_path
 
+from .cleaning import clean_prompt
+
 if TYPE_CHECKING:
     from transformers import UMT5Config, UMT5EncoderModel
 
 EMBEDDINGS_KEY = "prompt_embeds"
+
+log = logging.getLogger(__name__)
 
 # Fixed in Wan's umt5_xxl (not recoverable from tensor shapes).
 WAN_UMT5_MAX_DISTANCE = 128
@@ -47,17 +51,6 @@ _WAN_UMT5_BLOCK_KEYS = {
     "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight",
 }
 _WAN_BLOCK_INDEX = re.compile(r"blocks\.(\d+)\.")
-
-
-def clean_prompt(text: str) -> str:
-    try:
-        import ftfy  # optional, as in Wan's tokenizer wrapper
-
-        text = ftfy.fix_text(text)
-    except ImportError:
-        pass
-    text = html.unescape(html.unescape(text))
-    return re.sub(r"\s+", " ", text).strip()
 
 
 def wan_umt5_key_map(num_layers: int) -> dict[str, tuple[str, ...]]:
@@ -181,6 +174,12 @@ def load_wan_umt5(
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+class EncodedPrompt(NamedTuple):
+    embeds: torch.Tensor  # [text_len, d_model]
+    length: int  # tokens encoded, EOS included
+    prompt_tokens: int  # tokens of the whole cleaned prompt, EOS included (> length: cut)
+
+
 @torch.no_grad()
 def encode_prompt(
     text: str,
@@ -189,11 +188,17 @@ def encode_prompt(
     tokenizer_dir: str | Path | None = None,
     text_len: int = 512,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, int]:
-    """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and the token count
-    (EOS included). `encoder` is a transformers UMT5 directory (its tokenizer is used unless
-    `tokenizer_dir` is given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in
-    float32 on CPU and bfloat16 on CUDA, as Wan / Self-Forcing do."""
+    on_truncate: str = "warn",
+) -> EncodedPrompt:
+    """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and token counts.
+
+    `encoder` is a transformers UMT5 directory (its tokenizer is used unless `tokenizer_dir` is
+    given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in float32 on CPU and
+    bfloat16 on CUDA, as Wan / Self-Forcing do. A prompt longer than `text_len` tokens is cut to
+    its first text_len - 1 and EOS, as Wan does: `on_truncate` "warn" logs what was cut, "error"
+    raises."""
+    if on_truncate not in ("warn", "error"):
+        raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     encoder = Path(encoder)
@@ -215,8 +220,21 @@ def encode_prompt(
         model = UMT5EncoderModel.from_pretrained(str(encoder), dtype=dtype).to(device).eval()
     else:
         model = load_wan_umt5(encoder, device=device, dtype=dtype)
+    cleaned = clean_prompt(text)
+    if not cleaned:
+        raise ValueError(f"prompt {text!r} is empty after Wan's cleaning")
+    full_ids = tokenizer(cleaned, add_special_tokens=True).input_ids
+    if len(full_ids) > text_len:
+        lost = tokenizer.decode(full_ids[text_len - 1 : -1], skip_special_tokens=True)
+        message = (
+            f"prompt of {len(full_ids)} tokens (EOS included) is longer than text_len={text_len}: "
+            f"only its first {text_len - 1} tokens and EOS are encoded; cut: {lost!r}"
+        )
+        if on_truncate == "error":
+            raise ValueError(f"{message} (text_encoder.truncate: error)")
+        log.warning(message)
     tokens = tokenizer(
-        [clean_prompt(text)],
+        [cleaned],
         padding="max_length",
         truncation=True,
         max_length=text_len,
@@ -229,19 +247,24 @@ def encode_prompt(
     hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0].float()
     length = int(mask.sum())
     hidden[length:] = 0
-    return hidden.cpu(), length
+    return EncodedPrompt(hidden.cpu(), length, len(full_ids))
 
 
 def save_prompt_embedding(
-    path: str | Path, embeds: torch.Tensor, *, prompt: str, length: int
+    path: str | Path,
+    embeds: torch.Tensor,
+    *,
+    prompt: str,
+    length: int,
+    prompt_tokens: int | None = None,
 ) -> None:
-    """Write embeddings as safetensors, with the prompt and its token count as metadata."""
+    """Write embeddings as safetensors, with the prompt and its token counts as metadata:
+    `length` tokens encoded of the prompt's `prompt_tokens` (EOS included in both)."""
+    metadata = {"prompt": prompt, "length": str(length)}
+    if prompt_tokens is not None:
+        metadata["prompt_tokens"] = str(prompt_tokens)
     with atomic_path(path) as temporary:
-        save_file(
-            {EMBEDDINGS_KEY: embeds.contiguous()},
-            str(temporary),
-            metadata={"prompt": prompt, "length": str(length)},
-        )
+        save_file({EMBEDDINGS_KEY: embeds.contiguous()}, str(temporary), metadata=metadata)
 
 
 def load_prompt_embedding(

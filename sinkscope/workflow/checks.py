@@ -6,27 +6,134 @@ before any job runs, with a message naming the key or file. No torch: parsing mu
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
+
+import yaml
 
 from sinkscope.frames import block_sizes, visible_frames
 from sinkscope.passes import resolve_passes
+from sinkscope.wan.cleaning import clean_prompt
 from sinkscope.wan.config import WanConfig
+from sinkscope.wan.layout import model_dir
 
 from .entries import (
     DEMO_DIR,
     ConfigError,
     checkpoint_inputs,
+    checkpoint_spec,
     is_demo_checkpoint,
     is_demo_encoder,
     model_config,
     prompt_embeddings,
+    prompt_text,
     sampler_settings,
     uses_text_encoder,
 )
 
+# A name becomes a folder or file name in every output path, so it must be one safe path component.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+NAME_RULE = "letters, digits, '_', '.' and '-', starting with a letter, a digit or '_'"
+# Names that would land on another output: results/figures/compare/, results/stats/summary.csv ...
+RESERVED_NAMES = {
+    "checkpoints": {"compare", "summary.csv", "summary.html", "sink_rate.csv"},
+    "demo.checkpoints": {"text_encoder"},
+    "prompts": set(),
+}
+# Keys the schema types as integers: JSON Schema also accepts 1.0 there, paths and names do not.
+INTEGER_KEYS = (
+    "layers.*",
+    "figures.heads.*.*",
+    "figures.step",
+    "seed",
+    "video.*",
+    "sampler.local_attn_size",
+    "sampler.sink_size",
+    "checkpoints.*.sampler.local_attn_size",
+    "checkpoints.*.sampler.sink_size",
+    "demo.checkpoints.*",
+    "demo.text_encoder_seed",
+    "demo.text_encoder.*",
+    "text_encoder.text_len",
+    "capture.passes",
+    "capture.passes.*",
+)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    source = "config"
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{self.source}: key {key!r} given twice, at lines {seen[key]} and {line} "
+                    "(YAML keeps only the last)"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def check_config_files(paths) -> None:
+    """Every config file Snakemake read: no duplicate keys in any mapping."""
+    for path in paths:
+        loader = type("Loader", (_UniqueKeyLoader,), {"source": str(path)})
+        with open(path) as handle:
+            yaml.load(handle, Loader=loader)
+
+
+def _check_names(config: dict) -> None:
+    sections = {
+        "checkpoints": config["checkpoints"],
+        "prompts": config["prompts"],
+        "demo.checkpoints": config.get("demo", {}).get("checkpoints", {}),
+    }
+    for section, names in sections.items():
+        for name in names:
+            if not isinstance(name, str) or not NAME_PATTERN.match(name):
+                raise ConfigError(
+                    f"{section}: name {name!r} is not a safe file name; names use {NAME_RULE}"
+                )
+            if name in RESERVED_NAMES[section]:
+                raise ConfigError(
+                    f"{section}: name {name!r} is taken by an output of its own "
+                    f"(reserved: {sorted(RESERVED_NAMES[section])})"
+                )
+
+
+def _values_at(value, parts: list[str], key: str):
+    """(key, value) of every value at a dotted path; `*` is every item or entry."""
+    if not parts:
+        yield key, value
+        return
+    first, rest = parts[0], parts[1:]
+    if first == "*" and isinstance(value, dict):
+        for sub, item in value.items():
+            yield from _values_at(item, rest, f"{key}.{sub}" if key else str(sub))
+    elif first == "*" and isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _values_at(item, rest, f"{key}[{index}]")
+    elif isinstance(value, dict) and first in value:
+        yield from _values_at(value[first], rest, f"{key}.{first}" if key else first)
+
+
+def _check_integers(config: dict) -> None:
+    for path in INTEGER_KEYS:
+        for key, value in _values_at(config, path.split("."), ""):
+            if isinstance(value, float) or isinstance(value, bool):
+                raise ConfigError(f"{key}: {value!r} must be an integer (no decimal point)")
+
 
 def check_config(config: dict) -> None:
     """Raise ConfigError for problems the schema cannot see. Paths are relative to the workdir."""
+    _check_names(config)
+    _check_integers(config)
     _check_prompts(config)
     demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
     for name, entry in config["checkpoints"].items():
@@ -43,6 +150,8 @@ def check_config(config: dict) -> None:
                     )
                     raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
         model = model_config(config, name)
+        if not is_demo_checkpoint(config, name):
+            _check_num_heads(config, name, model)
         num_layers = model.num_layers
         num_heads = model.num_heads
         bad = [layer for layer in config["layers"] if layer >= num_layers]
@@ -89,6 +198,15 @@ def check_config(config: dict) -> None:
         )
 
 
+def _check_num_heads(config: dict, name: str, model: WanConfig) -> None:
+    source = f"checkpoints.{name}.base: {model_dir(checkpoint_spec(config, name).base)}/config.json"
+    error, warning = model.num_heads_doubt()
+    if error:
+        raise ConfigError(f"{source}: {error}")
+    if warning:
+        print(f"sinkscope: warning: {source}: {warning}", file=sys.stderr)
+
+
 def _capture_passes(config: dict) -> list[int]:
     steps = min(len(sampler_settings(config, n)["steps"]) for n in config["checkpoints"])
     try:
@@ -120,6 +238,12 @@ def _check_prompts(config: dict) -> None:
         path = prompt_embeddings(config, name)
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"prompts.{name}.embeddings: file not found: {path}")
+        text = prompt_text(config, name)
+        if path is None and not clean_prompt(text):
+            raise ConfigError(
+                f"prompts.{name}: {text!r} is empty after Wan's prompt cleaning (HTML entities "
+                "unescaped, whitespace collapsed): the encoder would see EOS only"
+            )
     if not uses_text_encoder(config):
         return
     encoder = config.get("text_encoder")

@@ -7,24 +7,22 @@ every layer and prompt for that is hours of GPU time. So extraction jobs take ch
 
 Hashing runs at ~1.2 GB/s from the page cache (5 s for 5.7 GB; a cold network disk is slower) and
 the workflow is parsed again by every job on a cluster, so digests are cached on disk, keyed by
-the file's path, size, mtime and inode (not the device number, which differs between the nodes
-mounting one network filesystem): a file is read again only after it changed (or was touched or
-copied, which costs one read and re-runs nothing). No torch here.
+the file's path, size, mtime, ctime and inode (not the device number, which differs between the
+nodes mounting one network filesystem): a file is read again only after it changed (or was
+touched or copied, which costs one read and re-runs nothing). No torch here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-from sinkscope.storage import atomic_path
+from sinkscope.storage import atomic_path, locked
 
 DIGEST_CACHE = ".snakemake/sinkscope/sha256.json"
 _CHUNK_BYTES = 1 << 24
@@ -65,26 +63,9 @@ def combine(digests: Iterable[str]) -> str:
 
 
 def _stamp(stat: os.stat_result) -> list[int]:
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
-
-
-@contextlib.contextmanager
-def _locked(cache: Path) -> Iterator[None]:
-    """Serialise read-modify-write of the cache between jobs parsing the workflow at once."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_name(cache.name + ".lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            locked = True
-        except OSError:
-            # No flock on this filesystem (Lustre without -o flock): go on unlocked. The write is
-            # atomic, so the worst case is a file hashed twice.
-            locked = False
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    # ctime too: bytes rewritten in place with the mtime restored (rsync -t, a careless script)
+    # keep size, mtime and inode, but every write sets ctime, and no user call can set it back.
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
 def _read(cache: Path) -> dict:
@@ -106,11 +87,13 @@ def _write(cache: Path, entries: dict) -> None:
 def cached_sha256(paths: Iterable[str | Path], cache: str | Path = DIGEST_CACHE) -> str:
     """sha256 of the bytes of `paths` (one digest per file, combined in order), cached in `cache`.
 
-    A file is read only when its (size, mtime, inode) differs from the cached entry.
+    A file is read only when its (size, mtime, ctime, inode) differs from the cached entry.
     """
     cache = Path(cache)
     paths = [Path(p) for p in paths]
-    with _locked(cache):
+    # One read-modify-write at a time between jobs parsing the workflow at once; unlocked (no
+    # flock on the filesystem), the write stays atomic and the worst case is a file hashed twice.
+    with locked(cache.with_name(cache.name + ".lock")):
         entries = _read(cache)
         digests = []
         changed = False

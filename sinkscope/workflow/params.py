@@ -36,7 +36,9 @@ def prompt_encoder(config: dict, name: str) -> dict | None:
     """The text-encoder settings a prompt's job depends on (none when it brings embeddings)."""
     if prompt_embeddings(config, name) is not None:
         return None
-    return canonical(config["text_encoder"])
+    # `truncate` decides whether the job fails, not what it writes: not a param.
+    encoder = {k: v for k, v in config["text_encoder"].items() if k != "truncate"}
+    return canonical(encoder)
 
 
 def canonical(value):
