@@ -17,8 +17,14 @@ Printed: extraction time with and without capture, capture throughput (logical b
 visible tiles per second of the capture run) as a ratio of the plain write, peak resident memory
 of the capture run, bytes on disk and compression ratio. Ratios are of one run; not a test.
 
+The store's chunks carry crc32c checksums. `--checksums both` runs the capture and the plain write
+also without them (as TokenStoreWriter wrote the store before), taking turns, and prints what the
+checksums cost; `--checksums no` measures only that. `--repeat N` runs the capture and the plain
+write N times each (taking turns with the other variant) and keeps the fastest run of each.
+
     python benchmarks/capture.py                      # 4 heads, cache pass: 4.9 GB of logits
     python benchmarks/capture.py --heads 2 --passes all
+    python benchmarks/capture.py --heads 1 --checksums both --repeat 3
 """
 
 from __future__ import annotations
@@ -34,7 +40,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-from measure import cpu_seconds, current_rss, gb, mbps, peak_rss, tree_bytes, verdict
+from measure import (
+    add_checksums_option,
+    cpu_seconds,
+    current_rss,
+    gb,
+    mbps,
+    peak_rss,
+    tree_bytes,
+    verdict,
+    without_checksums,
+)
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
 NUM_FRAMES, FRAMES_PER_BLOCK = 21, 3
@@ -169,6 +185,8 @@ def run_capture(args) -> dict:
     from sinkscope.extraction.store import TokenStoreWriter
     from sinkscope.passes import resolve_passes
 
+    if args.checksums == "no":
+        without_checksums()
     model, text = build_model(args.heads, args.layers, args.seed)
     cfg = model.config
     t = cfg.tokens_per_frame(LATENT_HEIGHT, LATENT_WIDTH)
@@ -222,6 +240,8 @@ def run_plain(args) -> dict:
     from sinkscope.passes import resolve_passes
     from sinkscope.storage import tune_zarr
 
+    if args.checksums == "no":
+        without_checksums()
     tune_zarr()
     source = zarr.open_group(args.source, mode="r")["logits"]
     steps, heads, n, _ = source.shape
@@ -272,7 +292,8 @@ MODES = {"rollout": run_rollout, "capture": run_capture, "plain": run_plain}
 # --- the driver ------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, args, workdir: Path, **paths: Path) -> dict:
+def run_mode(mode: str, args, workdir: Path, variant: str = "yes", **paths: Path) -> dict:
+    """Run one mode in a subprocess, writing stores with (`yes`) or without (`no`) checksums."""
     result = workdir / f"{mode}.json"
     command = [
         sys.executable,
@@ -289,12 +310,53 @@ def run_mode(mode: str, args, workdir: Path, **paths: Path) -> dict:
         args.passes,
         "--seed",
         str(args.seed),
+        "--checksums",
+        variant,
     ]
     for name, path in paths.items():
         command += [f"--{name}", str(path)]
-    print(f"[{time.strftime('%H:%M:%S')}] {mode} ...", flush=True)
+    label = "" if mode == "rollout" else f" ({'with' if variant == 'yes' else 'without'} crc32c)"
+    print(f"[{time.strftime('%H:%M:%S')}] {mode}{label} ...", flush=True)
     subprocess.run(command, check=True)
     return json.loads(result.read_text())
+
+
+def fastest(runs: list[dict]) -> dict:
+    """The run of least wall time, with the highest peak RSS of all and every run's seconds."""
+    best = dict(min(runs, key=lambda run: run["seconds"]))
+    best["peak_rss"] = max(run["peak_rss"] for run in runs)
+    best["all_seconds"] = [round(run["seconds"], 1) for run in runs]
+    return best
+
+
+def checksum_report(captures: dict, plains: dict, stored: dict) -> None:
+    """Write throughputs with the crc32c checksums over without (the same run)."""
+
+    def writer(run: dict) -> float:
+        return run["writer_bytes"] / run["writer_seconds"]
+
+    def plain(run: dict) -> float:
+        return run["logical_bytes"] / run["seconds"]
+
+    ratio = {v: writer(captures[v]) / plain(plains[v]) for v in ("yes", "no")}
+    lines = [
+        "",
+        "5. the crc32c checksums: with / without (fastest runs; the same run, taking turns: "
+        f"capture {captures['yes']['all_seconds']} / {captures['no']['all_seconds']} s, plain "
+        f"{plains['yes']['all_seconds']} / {plains['no']['all_seconds']} s)",
+        f"   capture writer               {mbps(writer(captures['yes']))} / "
+        f"{mbps(writer(captures['no']))} = {writer(captures['yes']) / writer(captures['no']):.3f}",
+        f"   capture run, end to end      {captures['yes']['seconds']:.1f} s / "
+        f"{captures['no']['seconds']:.1f} s = "
+        f"{captures['yes']['seconds'] / captures['no']['seconds']:.3f} (time)",
+        f"   plain zarr write             {mbps(plain(plains['yes']))} / "
+        f"{mbps(plain(plains['no']))} = {plain(plains['yes']) / plain(plains['no']):.3f}",
+        f"   ratio capture / plain        {ratio['yes']:.2f} / {ratio['no']:.2f} = "
+        f"{ratio['yes'] / ratio['no']:.3f}",
+        f"   logits on disk               {gb(stored['yes'][0])} / {gb(stored['no'][0])} = "
+        f"{stored['yes'][0] / stored['no'][0]:.5f}",
+    ]
+    print("\n".join(lines), flush=True)
 
 
 def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain_stored: tuple):
@@ -387,6 +449,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--keep", action="store_true", help="keep the capture store (for benchmarks/compression.py)"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of the capture and of the plain write (per --checksums variant, taking turns); "
+        "the fastest counts (default 1)",
+    )
+    add_checksums_option(parser)
     parser.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--store", type=Path, help=argparse.SUPPRESS)
@@ -405,19 +475,37 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="sinkscope-bench-capture-", dir=args.workdir))
     args.load_before = os.getloadavg()[0]
     print(f"workdir {workdir}; load average {args.load_before:.2f}", flush=True)
-    capture_store = workdir / "capture.zarr"
-    plain_store = workdir / "plain.zarr"
+    variants = ("yes", "no") if args.checksums == "both" else (args.checksums,)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    stored, plain_stored = {}, {}
     try:
         rollout = run_mode("rollout", args, workdir)
-        capture = run_mode("capture", args, workdir, store=capture_store)
-        stored = tree_bytes(capture_store / "logits")
-        plain = run_mode("plain", args, workdir, store=plain_store, source=capture_store)
-        plain_stored = tree_bytes(plain_store / "logits")
-        shutil.rmtree(plain_store)
-        report(args, rollout, capture, plain, stored, plain_stored)
+        for _ in range(args.repeat):
+            for variant in variants:
+                suffix = "" if variant == "yes" else "_nocrc"
+                capture_store = workdir / f"capture{suffix}.zarr"
+                plain_store = workdir / f"plain{suffix}.zarr"
+                runs.setdefault(("capture", variant), []).append(
+                    run_mode("capture", args, workdir, variant, store=capture_store)
+                )
+                stored[variant] = tree_bytes(capture_store / "logits")
+                runs.setdefault(("plain", variant), []).append(
+                    run_mode(
+                        "plain", args, workdir, variant, store=plain_store, source=capture_store
+                    )
+                )
+                plain_stored[variant] = tree_bytes(plain_store / "logits")
+                shutil.rmtree(plain_store)
+        captures = {variant: fastest(runs[("capture", variant)]) for variant in variants}
+        plains = {variant: fastest(runs[("plain", variant)]) for variant in variants}
+        first = variants[0]
+        report(args, rollout, captures[first], plains[first], stored[first], plain_stored[first])
+        if len(variants) == 2:
+            checksum_report(captures, plains, stored)
     finally:
         if args.keep:
-            print(f"kept {capture_store}", flush=True)
+            kept = "capture.zarr" if "yes" in variants else "capture_nocrc.zarr"
+            print(f"kept {workdir / kept}", flush=True)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -21,8 +21,14 @@ selection of the same shard, `write_empty_chunks` on), then read + decompress th
 (T, N) rows as sinkscope.analysis.reduce reads them; throughputs are the best of --repeat runs.
 Files land in the page cache: this measures the codec and zarr, not the disk. Not a test.
 
+The store's codecs, blosc zstd 1 then a crc32c checksum of each compressed chunk (computed in
+worker threads: ThreadedCrc32cCodec), are measured next to the same blosc without it and with
+zarr's own Crc32cCodec (", in loop"); the cost of the checksum (throughput with / without) is
+printed at the end. `--codecs` measures only the named candidates.
+
     python benchmarks/compression.py
     python benchmarks/compression.py --from-store /tmp/.../capture.zarr
+    python benchmarks/compression.py --codecs "blosc zstd 1 shuffle" "blosc zstd 1 shuffle + crc32c"
 """
 
 from __future__ import annotations
@@ -37,9 +43,9 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from sinkscope.extraction.store import logits_codec
+from sinkscope.extraction.store import ThreadedCrc32cCodec, logits_compressors
 from sinkscope.storage import tune_zarr
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
@@ -51,12 +57,24 @@ SINK_BIAS = 20.0
 # save at least this fraction of the bytes on every data set. The writer has to keep pace with
 # the GPU (docs/DESIGN.md: 14.7 GB per layer and pass kind); disk is the cheaper resource.
 MIN_SAVING = 0.05
+# The checksum's cost is printed for this pair of candidates (with / without).
+CHECKSUMMED, UNCHECKED = "blosc zstd 1 shuffle + crc32c", "blosc zstd 1 shuffle"
 
 
 def candidate_codecs() -> dict[str, object]:
     return {
         "none": None,
         "blosc zstd 1 shuffle": BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2),
+        # The same bytes twice: the checksums computed in worker threads (as the store does), or
+        # in zarr's event loop, one chunk after the other (zarr's Crc32cCodec).
+        "blosc zstd 1 shuffle + crc32c": [
+            BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2),
+            ThreadedCrc32cCodec(),
+        ],
+        "blosc zstd 1 shuffle + crc32c, in loop": [
+            BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2),
+            Crc32cCodec(),
+        ],
         "blosc zstd 3 shuffle": BloscCodec(cname="zstd", clevel=3, shuffle="shuffle", typesize=2),
         "blosc zstd 5 shuffle": BloscCodec(cname="zstd", clevel=5, shuffle="shuffle", typesize=2),
         "blosc zstd 3 bitshuffle": BloscCodec(
@@ -67,13 +85,36 @@ def candidate_codecs() -> dict[str, object]:
     }
 
 
+def codec_dicts(codec) -> list:
+    """A candidate (None, one codec or a list of them) as a list of codec dicts."""
+    if codec is None:
+        return []
+    return [c.to_dict() for c in (codec if isinstance(codec, list | tuple) else [codec])]
+
+
 def default_codec_name(codecs: dict[str, object]) -> str | None:
-    """The candidate that is sinkscope.extraction.store's current codec."""
-    current = logits_codec().to_dict()
+    """The candidate that is sinkscope.extraction.store's current codec list."""
+    current = codec_dicts(logits_compressors())
     for name, codec in codecs.items():
-        if codec is not None and codec.to_dict() == current:
+        if codec_dicts(codec) == current:
             return name
     return None
+
+
+def print_checksum_cost(all_results: dict[str, dict[str, dict]]) -> None:
+    """Throughputs with the crc32c checksum over those without, per data set (same run)."""
+    for checksummed in (CHECKSUMMED, CHECKSUMMED + ", in loop"):
+        print(f"\nchecksum cost: {checksummed} / {UNCHECKED} (throughput ratio; bytes ratio)")
+        for data_name, results in all_results.items():
+            if checksummed not in results or UNCHECKED not in results:
+                continue
+            with_, without = results[checksummed], results[UNCHECKED]
+            ratios = {k: with_[k] / without[k] for k in ("write_row", "write_visible", "read")}
+            print(
+                f"  {data_name}: write row {ratios['write_row']:.3f}, write vis "
+                f"{ratios['write_visible']:.3f}, read {ratios['read']:.3f}; stored bytes "
+                f"{with_['stored'] / without['stored']:.5f}"
+            )
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -240,11 +281,19 @@ def stored_bytes(path: Path) -> int:
     return total
 
 
-def measure(data: Rows, codec, workdir: Path, repeat: int) -> dict:
-    """Best (highest throughput) of `repeat` runs of `measure_once`."""
-    runs = [measure_once(data, codec, workdir) for _ in range(repeat)]
-    best = {key: max(run[key] for run in runs) for key in ("write_row", "write_visible", "read")}
-    return {**runs[0], **best}
+def measure(data: Rows, codecs: dict[str, object], workdir: Path, repeat: int) -> dict:
+    """Per codec, the best (highest throughput) of `repeat` runs of `measure_once`; the codecs
+    take turns, so that a slower spell of a shared machine hits them alike."""
+    runs: dict[str, list[dict]] = {name: [] for name in codecs}
+    for run in range(repeat):
+        for name, codec in codecs.items():
+            print(f"[{time.strftime('%H:%M:%S')}] {data.name}: {name} ({run + 1})", flush=True)
+            runs[name].append(measure_once(data, codec, workdir))
+    keys = ("write_row", "write_visible", "read")
+    return {
+        name: {**done[0], **{key: max(one[key] for one in done) for key in keys}}
+        for name, done in runs.items()
+    }
 
 
 def measure_once(data: Rows, codec, workdir: Path) -> dict:
@@ -292,15 +341,15 @@ def measure_once(data: Rows, codec, workdir: Path) -> dict:
 def print_table(data: Rows, results: dict[str, dict], default: str | None) -> None:
     print(f"\n{data.name}: {len(data.rows)} rows, {data.logical_bytes / 1e6:.0f} MB logical")
     header = (
-        f"{'codec':28s} {'ratio':>6s} {'stored MB':>10s} {'write row':>10s} "
+        f"{'codec':40s} {'ratio':>6s} {'stored MB':>10s} {'write row':>10s} "
         f"{'write vis':>10s} {'read':>10s}"
     )
     print(header)
-    print(f"{'':28s} {'':>6s} {'':>10s} {'MB/s':>10s} {'MB/s':>10s} {'MB/s':>10s}")
+    print(f"{'':40s} {'':>6s} {'':>10s} {'MB/s':>10s} {'MB/s':>10s} {'MB/s':>10s}")
     for name, r in results.items():
         label = name + (" *" if name == default else "")
         print(
-            f"{label:28s} {r['ratio']:6.3f} {r['stored'] / 1e6:10.1f} {r['write_row'] / 1e6:10.0f} "
+            f"{label:40s} {r['ratio']:6.3f} {r['stored'] / 1e6:10.1f} {r['write_row'] / 1e6:10.0f} "
             f"{r['write_visible'] / 1e6:10.0f} {r['read'] / 1e6:10.0f}"
         )
 
@@ -343,6 +392,13 @@ def main(argv: list[str] | None = None) -> None:
         help="parent directory for the benchmark data (default: a new temporary directory)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the working directory")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="measure only these candidates (names as printed; default: all)",
+    )
     args = parser.parse_args(argv)
 
     tune_zarr()
@@ -352,6 +408,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"workdir {workdir}; load average {os.getloadavg()[0]:.2f}", flush=True)
     codecs = candidate_codecs()
     default = default_codec_name(codecs)
+    if args.codecs:
+        unknown = sorted(set(args.codecs) - set(codecs))
+        if unknown:
+            parser.error(f"unknown codecs {unknown}; candidates: {list(codecs)}")
+        codecs = {name: codec for name, codec in codecs.items() if name in args.codecs}
     all_results: dict[str, dict[str, dict]] = {}
     started = time.perf_counter()
     try:
@@ -361,10 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         for make in makers:
             data = make()
-            results = {}
-            for name, codec in codecs.items():
-                print(f"[{time.strftime('%H:%M:%S')}] {data.name}: {name}", flush=True)
-                results[name] = measure(data, codec, workdir, args.repeat)
+            results = measure(data, codecs, workdir, args.repeat)
             all_results[data.name] = results
             print_table(data, results, default)
             del data
@@ -375,7 +433,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
     best = recommend(all_results)
     fastest = max(all_results[next(iter(all_results))], key=lambda n: slowest_write(all_results, n))
-    print(f"\n* = sinkscope.extraction.store.logits_codec() today: {default}")
+    print_checksum_cost(all_results)
+    print(f"\n* = sinkscope.extraction.store.logits_compressors() today: {default}")
     print(
         f"recommended: {best} (the fastest visible-tile writer, on its slowest data set, among "
         f"the codecs that save >= {MIN_SAVING:.0%} of the bytes on every data set); fastest of "

@@ -59,3 +59,27 @@ def mbps(value: float) -> str:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
+
+
+def without_checksums() -> None:
+    """Make TokenStoreWriter, in this process, write the store as before its chunk checksums:
+    blosc alone on the logits chunks, zarr's default zstd alone on the small arrays (the shard
+    index keeps the crc32c it always had)."""
+    from zarr.codecs import ZstdCodec
+
+    import sinkscope.extraction.store as store
+
+    store.logits_compressors = lambda: (store.logits_codec(),)
+    store.checked_compressors = lambda: (ZstdCodec(level=0),)
+
+
+def add_checksums_option(parser) -> None:
+    """--checksums yes | no | both: the store as TokenStoreWriter writes it (crc32c), as it did
+    before (`without_checksums`), or both, measured taking turns."""
+    parser.add_argument(
+        "--checksums",
+        choices=("yes", "no", "both"),
+        default="yes",
+        help="the store with crc32c chunk checksums (yes, as TokenStoreWriter writes it), "
+        "without (no, as it wrote it before), or both, measured taking turns (default yes)",
+    )

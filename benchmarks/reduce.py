@@ -23,8 +23,14 @@ reduce / read and reduce / naive, and peak resident memory of each process. The 
 reduce run `--repeat` times (default 3), alternating, and the fastest run of each counts: the
 machine this was written on is shared and its timings drift by 20 %. Not a test.
 
+The store's chunks carry crc32c checksums. `--checksums both` builds a second store without
+them (as TokenStoreWriter wrote it before) and measures read and reduce of both, taking turns,
+to print what the checksums cost; `--checksums no` measures only that one. `--naive-heads 0`
+skips the naive reduction.
+
     python benchmarks/reduce.py                       # 4 heads x 1 pass: 4.9 GB of logits
     python benchmarks/reduce.py --threads 2 --heads 2 --steps 2
+    python benchmarks/reduce.py --heads 1 --checksums both --naive-heads 0
 """
 
 from __future__ import annotations
@@ -40,7 +46,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-from measure import cpu_seconds, current_rss, gb, mbps, peak_rss, tree_bytes, verdict
+from measure import (
+    add_checksums_option,
+    cpu_seconds,
+    current_rss,
+    gb,
+    mbps,
+    peak_rss,
+    tree_bytes,
+    verdict,
+    without_checksums,
+)
 
 LATENT_HEIGHT, LATENT_WIDTH = 60, 104
 T = LATENT_HEIGHT * LATENT_WIDTH // 4  # 1560 tokens per latent frame after the 2 x 2 patch
@@ -130,6 +146,8 @@ def run_build(args) -> dict:
     """Write the token store with TokenStoreWriter, one row (query frame) at a time."""
     from sinkscope.extraction.store import TokenStoreWriter
 
+    if args.checksums == "no":
+        without_checksums()
     sizes = block_sizes()
     seen = visible()
     timesteps = [float(937.5 - 250 * s) for s in range(args.steps)]
@@ -316,13 +334,18 @@ MODES = {"build": run_build, "read": run_read, "reduce": run_reduce, "naive": ru
 # --- the driver ------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, args, workdir: Path) -> dict:
+def run_mode(mode: str, args, workdir: Path, variant: str = "yes") -> dict:
+    """Run one mode in a subprocess on the store with (`yes`) or without (`no`) checksums."""
     result = workdir / f"{mode}.json"
     command = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--result", str(result)]
     for name in ("heads", "steps", "threads", "naive_heads", "seed"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--store", str(args.store), "--out", str(args.out)]
-    print(f"[{time.strftime('%H:%M:%S')}] {mode} ...", flush=True)
+    store, out = args.stores[variant]
+    command += ["--store", str(store), "--out", str(out), "--checksums", variant]
+    label = (
+        "" if len(args.stores) == 1 else f" ({'with' if variant == 'yes' else 'without'} crc32c)"
+    )
+    print(f"[{time.strftime('%H:%M:%S')}] {mode}{label} ...", flush=True)
     subprocess.run(command, check=True)
     return json.loads(result.read_text())
 
@@ -339,7 +362,75 @@ def seconds_list(run: dict) -> str:
     return ", ".join(f"{s:.1f}" for s in run["all_seconds"])
 
 
-def report(args, build: dict, stored: int, read: dict, reduce: dict, naive: dict) -> None:
+def checksum_report(args, builds: dict, stored: dict, reads: dict, reduces: dict) -> None:
+    """Read and reduce with the checksums over without (same run, taking turns)."""
+
+    def tput(run: dict) -> float:
+        return run["logical_bytes"] / run["seconds"]
+
+    def cpu(runs: dict) -> str:
+        seconds = {v: runs[v]["cpu_seconds"] for v in ("yes", "no")}
+        return f"CPU {seconds['yes']:.1f} / {seconds['no']:.1f} s"
+
+    read_ratio = {v: tput(reduces[v]) / tput(reads[v]) for v in ("yes", "no")}
+    build, writer = (
+        {v: builds[v][key] for v in ("yes", "no")} for key in ("seconds", "writer_seconds")
+    )
+    lines = [
+        "",
+        "4. the crc32c checksums: with / without (best runs; the same run, taking turns)",
+        f"   build the store               {build['yes']:.1f} s / {build['no']:.1f} s = "
+        f"{build['yes'] / build['no']:.3f} (time; writer thread {writer['yes']:.1f} s / "
+        f"{writer['no']:.1f} s = {writer['yes'] / writer['no']:.3f})",
+        f"   on disk                       {gb(stored['yes'])} / {gb(stored['no'])} = "
+        f"{stored['yes'] / stored['no']:.5f}",
+        f"   plain read + decompress       {mbps(tput(reads['yes']))} / {mbps(tput(reads['no']))}"
+        f" = {tput(reads['yes']) / tput(reads['no']):.3f}  (runs {seconds_list(reads['yes'])} / "
+        f"{seconds_list(reads['no'])} s; {cpu(reads)})",
+        f"   reduce_token_store            {mbps(tput(reduces['yes']))} / "
+        f"{mbps(tput(reduces['no']))} = {tput(reduces['yes']) / tput(reduces['no']):.3f}  (runs "
+        f"{seconds_list(reduces['yes'])} / {seconds_list(reduces['no'])} s; {cpu(reduces)})",
+        f"   ratio reduce / read           {read_ratio['yes']:.2f} / {read_ratio['no']:.2f} = "
+        f"{read_ratio['yes'] / read_ratio['no']:.3f}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def naive_report(args, reduce: dict, naive: dict | None) -> tuple[list, list, list]:
+    """The naive reduction's lines of the report: throughput, memory, summary."""
+    if naive is None:
+        skipped = "2. naive reduction: skipped (--naive-heads 0)"
+        return [skipped], [], ["speedup over the naive loops    skipped"]
+    naive_tput = naive["logical_bytes"] / naive["seconds"]
+    # The naive reduction's time for the whole store: its time per head times heads x steps.
+    scale = args.heads * args.steps / naive["heads"]
+    naive_seconds = naive["seconds"] * scale
+    speedup = naive_seconds / reduce["seconds"]
+    # What a whole step needs: [heads, N, N] float16 as read plus its float32 copy.
+    naive_step_bytes = naive["array_bytes"] * args.heads / naive["heads"]
+    lines = [
+        "2. naive reduction (a whole step in numpy, Python loops over frames)",
+        f"   timed on {naive['heads']} head(s)        {mbps(naive_tput):>10}  "
+        f"(zarr read {naive['read']['seconds']:.1f} s + float32 cast "
+        f"{naive['cast']['seconds']:.1f} s + loops {naive['compute']['seconds']:.1f} s "
+        f"for {gb(naive['logical_bytes'])})",
+        f"   scaled to the store          {naive_seconds:8.1f} s  (x {scale:g})",
+        f"   speedup reduce vs naive      {speedup:8.2f} x",
+        f"   agreement with reduce        logit_mean {naive['logit_mean_max_diff']:.1e}, "
+        f"prob_mass {naive['prob_mass_max_diff']:.1e} (max abs difference)",
+    ]
+    memory = [
+        f"   naive, {naive['heads']} head(s)             {gb(naive['peak_rss']):>10}  "
+        f"(a whole step of {args.heads} heads: {gb(naive_step_bytes)} of arrays alone)",
+    ]
+    summary = [
+        f"speedup over the naive loops    {speedup:6.2f} x    target >= "
+        f"{NAIVE_SPEEDUP_TARGET:.2f} x  {verdict(speedup >= NAIVE_SPEEDUP_TARGET)}",
+    ]
+    return lines, memory, summary
+
+
+def report(args, build: dict, stored: int, read: dict, reduce: dict, naive: dict | None) -> None:
     expected = visible_tiles(args.heads, args.steps)
     logical = build["logical_bytes"]
     for name, part in (("read", read), ("reduce", reduce)):
@@ -347,14 +438,8 @@ def report(args, build: dict, stored: int, read: dict, reduce: dict, naive: dict
             raise RuntimeError(f"{name} saw {part['tiles']} tiles, expected {expected}")
     read_tput = read["logical_bytes"] / read["seconds"]
     reduce_tput = reduce["logical_bytes"] / reduce["seconds"]
-    naive_tput = naive["logical_bytes"] / naive["seconds"]
-    # The naive reduction's time for the whole store: its time per head times heads x steps.
-    scale = args.heads * args.steps / naive["heads"]
-    naive_seconds = naive["seconds"] * scale
-    speedup = naive_seconds / reduce["seconds"]
     read_ratio = reduce_tput / read_tput
-    # What a whole step needs: [heads, N, N] float16 as read plus its float32 copy.
-    naive_step_bytes = naive["array_bytes"] * args.heads / naive["heads"]
+    naive_lines, naive_memory, naive_summary = naive_report(args, reduce, naive)
     lines = [
         "",
         f"geometry: latent {LATENT_HEIGHT}x{LATENT_WIDTH}, T={T} tokens/frame, {NUM_FRAMES} "
@@ -372,21 +457,12 @@ def report(args, build: dict, stored: int, read: dict, reduce: dict, naive: dict
         f"({gb(reduce['logical_bytes'])} in {reduce['seconds']:.1f} s, "
         f"CPU {reduce['cpu_seconds']:.0f} s; runs {seconds_list(reduce)} s)",
         f"   ratio reduce / read          {read_ratio:8.2f}",
-        "2. naive reduction (a whole step in numpy, Python loops over frames)",
-        f"   timed on {naive['heads']} head(s)        {mbps(naive_tput):>10}  "
-        f"(zarr read {naive['read']['seconds']:.1f} s + float32 cast "
-        f"{naive['cast']['seconds']:.1f} s + loops {naive['compute']['seconds']:.1f} s "
-        f"for {gb(naive['logical_bytes'])})",
-        f"   scaled to the store          {naive_seconds:8.1f} s  (x {scale:g})",
-        f"   speedup reduce vs naive      {speedup:8.2f} x",
-        f"   agreement with reduce        logit_mean {naive['logit_mean_max_diff']:.1e}, "
-        f"prob_mass {naive['prob_mass_max_diff']:.1e} (max abs difference)",
+        *naive_lines,
         "3. peak resident memory (VmHWM)",
         f"   reduce                       {gb(reduce['peak_rss']):>10}  "
         f"(RSS {gb(reduce['rss_before'])} before)",
         f"   plain read                   {gb(read['peak_rss']):>10}",
-        f"   naive, {naive['heads']} head(s)             {gb(naive['peak_rss']):>10}  "
-        f"(a whole step of {args.heads} heads: {gb(naive_step_bytes)} of arrays alone)",
+        *naive_memory,
         "",
         f"checks: NaN exactly on unseen tiles {reduce['nan_pattern_ok']}, prob_mass sums to 1 "
         f"within {reduce['mass_sum_error']:.1e}, sink mass of the last frame "
@@ -395,8 +471,7 @@ def report(args, build: dict, stored: int, read: dict, reduce: dict, naive: dict
         "== summary ==",
         f"reduce throughput / plain read  {read_ratio:6.2f}      target >= "
         f"{READ_RATIO_TARGET:.2f}    {verdict(read_ratio >= READ_RATIO_TARGET)}",
-        f"speedup over the naive loops    {speedup:6.2f} x    target >= "
-        f"{NAIVE_SPEEDUP_TARGET:.2f} x  {verdict(speedup >= NAIVE_SPEEDUP_TARGET)}",
+        *naive_summary,
         f"peak RSS of the reduce          {gb(reduce['peak_rss'])}   target <= "
         f"{gb(PEAK_RSS_TARGET)}  {verdict(reduce['peak_rss'] <= PEAK_RSS_TARGET)}",
         f"(reduce {mbps(reduce_tput)}, read {mbps(read_tput)}, {gb(logical)} logical, threads "
@@ -423,8 +498,9 @@ def main(argv: list[str] | None = None) -> None:
         "--naive-heads",
         type=int,
         default=1,
-        help="heads the naive reduction is timed on, then scaled (default 1)",
+        help="heads the naive reduction is timed on, then scaled (default 1; 0 skips it)",
     )
+    add_checksums_option(parser)
     parser.add_argument(
         "--repeat",
         type=int,
@@ -453,20 +529,47 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="sinkscope-bench-reduce-", dir=args.workdir))
     args.load_before = os.getloadavg()[0]
     print(f"workdir {workdir}; load average {args.load_before:.2f}", flush=True)
-    args.store = workdir / "layer0.zarr"
-    args.out = workdir / "frames" / "layer0.zarr"
+    variants = ("yes", "no") if args.checksums == "both" else (args.checksums,)
+    args.stores = {
+        variant: (
+            workdir / f"layer0{'' if variant == 'yes' else '_nocrc'}.zarr",
+            workdir / "frames" / f"layer0{'' if variant == 'yes' else '_nocrc'}.zarr",
+        )
+        for variant in variants
+    }
     try:
-        build = run_mode("build", args, workdir)
-        stored, _ = tree_bytes(args.store / "logits")
-        reads, reduces = [], []
+        builds = {variant: run_mode("build", args, workdir, variant) for variant in variants}
+        stored = {v: tree_bytes(args.stores[v][0] / "logits")[0] for v in variants}
+        reads: dict[str, list] = {variant: [] for variant in variants}
+        reduces: dict[str, list] = {variant: [] for variant in variants}
         for _ in range(args.repeat):
-            reads.append(run_mode("read", args, workdir))
-            reduces.append(run_mode("reduce", args, workdir))
-        naive = run_mode("naive", args, workdir)  # compares with the last reduce's output
-        report(args, build, stored, best_of(reads), best_of(reduces), naive)
+            for variant in variants:
+                reads[variant].append(run_mode("read", args, workdir, variant))
+                reduces[variant].append(run_mode("reduce", args, workdir, variant))
+        first = variants[0]
+        naive = None
+        if args.naive_heads > 0:  # compares with the last reduce's output
+            naive = run_mode("naive", args, workdir, first)
+        report(
+            args,
+            builds[first],
+            stored[first],
+            best_of(reads[first]),
+            best_of(reduces[first]),
+            naive,
+        )
+        if len(variants) == 2:
+            checksum_report(
+                args,
+                builds,
+                stored,
+                {v: best_of(reads[v]) for v in variants},
+                {v: best_of(reduces[v]) for v in variants},
+            )
     finally:
         if args.keep:
-            print(f"kept {args.store} and {args.out}", flush=True)
+            kept = ", ".join(f"{store} and {out}" for store, out in args.stores.values())
+            print(f"kept {kept}", flush=True)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 

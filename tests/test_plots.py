@@ -19,6 +19,7 @@ from matplotlib.text import Annotation
 from sinkscope import frames
 from sinkscope.analysis import figures, plots
 from sinkscope.analysis.reduce import open_frame_dataset
+from sinkscope.storage import mark_complete
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
 PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]
@@ -87,6 +88,7 @@ def write_store(root: Path, ds: xr.Dataset) -> Path:
     path = root / str(ds["checkpoint"].values) / str(ds["prompt"].values)
     path = path / f"layer{int(ds['layer'])}.zarr"
     ds.to_zarr(path, zarr_format=3, mode="w")
+    mark_complete(path)  # as the reducer marks what it wrote
     return path
 
 

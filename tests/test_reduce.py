@@ -336,6 +336,28 @@ def test_failure_after_partial_write_leaves_no_output(tmp_path, monkeypatch):
     assert not out.with_name(out.name + ".tmp").exists()
 
 
+def test_a_frame_dataset_is_marked_complete_last(tmp_path, monkeypatch):
+    """A write killed before the mark leaves a temporary that readers refuse (the kill test in
+    tests/test_kills.py shows the rerun); the mark is the last write."""
+    store = _small_store(tmp_path)
+    out = tmp_path / "layer3.zarr"
+    original = xr.Dataset.to_zarr
+    written = {}
+
+    def write_and_keep_a_copy(self, path, *args, **kwargs):
+        original(self, path, *args, **kwargs)
+        written["attrs"] = xr.open_zarr(path, consolidated=False).attrs
+
+    monkeypatch.setattr(xr.Dataset, "to_zarr", write_and_keep_a_copy)
+    reduce_token_store(store, out)
+    assert "complete" not in written["attrs"]  # the data were written unmarked
+    assert xr.open_zarr(out).attrs["complete"] is True
+    unmarked = tmp_path / "unmarked.zarr"
+    open_frame_dataset(out).drop_attrs().to_zarr(unmarked, zarr_format=3)
+    with pytest.raises(ValueError, match=rf"{unmarked}: not marked complete: its reduce was"):
+        open_frame_dataset(unmarked)
+
+
 def test_rerun_replaces_output_and_stale_tmp(tmp_path):
     store = _small_store(tmp_path)
     out = tmp_path / "layer3.zarr"

@@ -14,6 +14,7 @@ from sinkscope.analysis.stats import (
     write_stats,
     write_summary,
 )
+from sinkscope.storage import mark_complete
 
 nan = np.nan
 
@@ -273,6 +274,7 @@ def test_unknown_query_mode():
 def test_write_stats_round_trip(tmp_path):
     store = tmp_path / "layer4.zarr"
     hand_dataset().to_zarr(store, zarr_format=3, consolidated=True)
+    mark_complete(store)
     csv = tmp_path / "stats" / "layer4.csv"
     write_stats(store, csv, query="each_block")
     assert not csv.with_name(csv.name + ".tmp").exists()

@@ -162,3 +162,15 @@ def test_bad_config_fails_before_any_job(tmp_path, change, message):
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert not (workdir / "results").exists()
+
+
+def test_every_output_a_user_opens_is_restored_by_a_plain_rerun(demo_run, tmp_path):
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    shutil.rmtree(workdir / "results/frames/demo_a/eagle/layer0.zarr")
+    (workdir / "results/stats/sink_rate.csv").unlink()
+    (workdir / "results/figures/demo_b/harbor/layer2_frame_maps.svg").unlink()
+    jobs = planned_jobs(workdir)
+    assert ("reduce", "checkpoint=demo_a, prompt=eagle, layer=0") in jobs
+    assert ("summary", "") in jobs
+    assert ("figures", "checkpoint=demo_b, prompt=harbor") in jobs
+    assert not {rule for rule, _ in jobs} & {"extract", "encode_prompt"}

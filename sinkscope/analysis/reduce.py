@@ -4,10 +4,16 @@ The logits are read one query frame's rows of one head and one pass at a time, a
 matches the store's shards, and each block is reduced to per-(query frame, key frame) values inside
 a single dask graph; only the small frame x frame results are ever held whole. Within a block only
 the key frames with visible logits are touched, a few rows at a time (benchmarks/reduce.py).
+
+Damage is named, not reduced: the store's chunks carry crc32c checksums (extraction/store.py), and
+a chunk that fails its read fails the reduction with the store, the variable and the chunk named.
+The frame dataset's chunks carry crc32c checksums too.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 from pathlib import Path
 
@@ -15,13 +21,20 @@ import dask
 import dask.array as da
 import numpy as np
 import xarray as xr
+import zarr
 
 from sinkscope.frames import block_of_frame, token_frames
-from sinkscope.storage import atomic_path, tune_zarr
+from sinkscope.storage import (
+    ATTRIBUTES_CHECKSUM,
+    atomic_path,
+    attributes_checksum,
+    checked_compressors,
+    mark_complete,
+    tune_zarr,
+)
 
 LOGIT_DIMS = ("step", "head", "query_token", "key_token")
 FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
-
 
 # The fast path of reduce_rows works on sub-blocks of about this many logits (an 8-byte index and
 # two float32 values each: 4 MB), so that each pass after the first reads data still in the cache.
@@ -215,17 +228,192 @@ def reduce_rows(rows: np.ndarray, num_frames: int) -> np.ndarray:
     return sums.result()
 
 
-def _reduce_block(block: np.ndarray, num_frames: int) -> np.ndarray:
-    """dask block (1, 1, T, N) -> (1, 1, 1, 2F + 1)."""
-    return reduce_rows(block[0, 0], num_frames)[None, None, None, :]
+def _reduce_shard(
+    logits: zarr.Array,
+    path: Path,
+    tokens_per_frame: int,
+    num_frames: int,
+    block_id: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """dask block (step, head, query frame) -> (1, 1, 1, 2F + 1): the frame's (T, N) rows of one
+    head and pass, one shard of the store, read here so that a damaged shard can be named."""
+    step, head, frame, _ = block_id
+    rows = _read_rows(logits, path, step, head, frame, tokens_per_frame)
+    return reduce_rows(rows, num_frames)[None, None, None, :]
+
+
+def _read_rows(
+    logits: zarr.Array, path: Path, step: int, head: int, frame: int, tokens_per_frame: int
+) -> np.ndarray:
+    """logits[step, head, the query frame's T rows, :]; a failed read names its chunk."""
+    t = tokens_per_frame
+    rows = slice(frame * t, (frame + 1) * t)
+    try:
+        return logits[step, head, rows, :]
+    except Exception as err:
+        region = (slice(step, step + 1), slice(head, head + 1), rows, slice(0, logits.shape[3]))
+        coords = _region_chunks(logits, region)
+        failures = _chunk_failures(logits, coords)
+        detail = f"step {step}, head {head}, query frame {frame}"
+        if failures and len(failures) == len(coords):
+            detail += "; every tile: its shard index or the whole shard is damaged"
+        elif failures:
+            key_frames = sorted({c[3] * logits.chunks[3] // t for c, _ in failures})
+            detail += f"; the tiles of key frame(s) {', '.join(map(str, key_frames))}"
+        raise _unreadable("token store", path, "logits", err, logits, coords, detail) from err
+
+
+def _region_chunks(
+    array: zarr.Array, region: tuple[slice, ...] | None = None
+) -> list[tuple[int, ...]]:
+    """Coordinates of the chunks (inner chunks of a sharded array) of `array` that `region`
+    (default: all of it) touches."""
+    region = region or tuple(slice(0, size) for size in array.shape)
+    ranges = [
+        range(part.start // chunk, -(-part.stop // chunk))
+        for part, chunk in zip(region, array.chunks, strict=True)
+    ]
+    return list(itertools.product(*ranges))
+
+
+def _chunk_failures(
+    array: zarr.Array, chunk_coords: list[tuple[int, ...]]
+) -> list[tuple[tuple[int, ...], Exception]]:
+    """(coordinates, error) of each of these chunks whose read fails, read one at a time."""
+    failures = []
+    for coords in chunk_coords:
+        selection = tuple(
+            slice(i * chunk, min((i + 1) * chunk, size))
+            for i, chunk, size in zip(coords, array.chunks, array.shape, strict=True)
+        )
+        try:
+            array[selection]
+        except Exception as err:
+            failures.append((coords, err))
+    return failures
+
+
+def _storage_keys(array: zarr.Array, chunk_coords: list[tuple[int, ...]]) -> str:
+    """The keys of the files (shards, or chunks of an unsharded array) holding these chunks."""
+    per_file = array.shards or array.chunks
+    keys = []
+    for coords in chunk_coords:
+        file_coords = tuple(
+            i * chunk // size for i, chunk, size in zip(coords, array.chunks, per_file, strict=True)
+        )
+        key = array.metadata.encode_chunk_key(file_coords)
+        if key not in keys:
+            keys.append(key)
+    return ", ".join(keys)
+
+
+# What to do about a token store or a frame dataset that fails a read.
+_STORE_DAMAGED = "the store is damaged: re-run its extraction"
+_DAMAGED = {
+    "token store": _STORE_DAMAGED,
+    "frame dataset": "the dataset is damaged: re-run its reduce",
+}
+
+
+def _unreadable(
+    kind: str,
+    path: Path,
+    name: str,
+    err: Exception,
+    array: zarr.Array | None = None,
+    chunk_coords: list[tuple[int, ...]] | None = None,
+    detail: str = "",
+) -> ValueError:
+    """The error for variable `name` of the `kind` at `path`, whose read failed with `err`.
+
+    The chunks (default: all of `array`) are read again one at a time: those that fail are named,
+    with the first one's error; if none fails on its own, all of them are named.
+    """
+    where, cause = f"variable {name!r}", err
+    if array is not None:
+        coords = chunk_coords if chunk_coords is not None else _region_chunks(array)
+        failures = _chunk_failures(array, coords)
+        if failures:
+            coords, cause = [c for c, _ in failures], failures[0][1]
+        where += f", chunk {_storage_keys(array, coords)}"
+    if detail:
+        where += f" ({detail})"
+    return ValueError(
+        f"{kind} {path}: {where} cannot be read ({type(cause).__name__}: {cause}); {_DAMAGED[kind]}"
+    )
+
+
+def _open_array(path: Path, name: str) -> zarr.Array | None:
+    """Array `name` of the zarr group at `path`, as xarray sees it (consolidated metadata); None
+    if it cannot be opened."""
+    try:
+        array = zarr.open_group(str(path), mode="r")[name]
+    except Exception:
+        return None
+    return array if isinstance(array, zarr.Array) else None
+
+
+def _values(path: Path, ds: xr.Dataset, name: str) -> np.ndarray:
+    """ds[name].values of a token store; a failed read names the variable and its chunk."""
+    try:
+        return ds[name].values
+    except Exception as err:
+        raise _unreadable("token store", path, name, err, _open_array(path, name)) from err
 
 
 def _store_error(path: Path, message: str) -> ValueError:
     return ValueError(f"token store {path}: {message}")
 
 
+def _check_metadata_copies(kind: str, path: Path) -> None:
+    """Each array's zarr.json must equal its copy in the group's consolidated metadata (which is
+    what is read): a difference means one of them is damaged."""
+    try:
+        root = json.loads((path / "zarr.json").read_text())
+        consolidated = (root.get("consolidated_metadata") or {}).get("metadata") or {}
+    except Exception as err:
+        problem = f"{type(err).__name__}: {err}"
+        raise ValueError(
+            f"{kind} {path}: its zarr.json cannot be read ({problem}); {_DAMAGED[kind]}"
+        ) from err
+    for name, metadata in consolidated.items():
+        file = f"{name}/zarr.json"
+        try:
+            own = json.loads((path / file).read_text())
+        except Exception as err:
+            problem = f"{type(err).__name__}: {err}"
+            raise ValueError(
+                f"{kind} {path}: variable {name!r}: {file} cannot be read ({problem}); "
+                f"{_DAMAGED[kind]}"
+            ) from err
+        if own != metadata:
+            raise ValueError(
+                f"{kind} {path}: variable {name!r}: {file} differs from its copy consolidated in "
+                f"zarr.json, so one of them is damaged; {_DAMAGED[kind]}"
+            )
+
+
+def _attributes_damage(attrs: dict) -> str | None:
+    """What is wrong with the attributes' checksum, if they have one; None if nothing."""
+    if ATTRIBUTES_CHECKSUM not in attrs:
+        return None  # written before the checksum, or by another writer
+    try:
+        computed = attributes_checksum(attrs)
+    except (TypeError, ValueError) as err:
+        return f"its attributes cannot be checked ({type(err).__name__}: {err})"
+    if attrs[ATTRIBUTES_CHECKSUM] != computed:
+        return (
+            f"its attributes (in zarr.json) fail their checksum: {ATTRIBUTES_CHECKSUM} is "
+            f"{attrs[ATTRIBUTES_CHECKSUM]!r}, computed {computed}"
+        )
+    return None
+
+
 def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate the layout against the attributes; returns (T, F, block sizes)."""
+    damage = _attributes_damage(ds.attrs)
+    if damage is not None:
+        raise _store_error(path, f"{damage}; {_STORE_DAMAGED}")
     if ds.attrs.get("complete") is not True:
         raise _store_error(
             path, "not marked complete: its extraction was killed or is still running; re-run it"
@@ -246,7 +434,7 @@ def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]
     if "logits" not in ds.variables:
         return tokens_per_frame, num_frames, sizes  # capture.tokens: false
     logits = ds["logits"]
-    if set(logits.dims) != set(LOGIT_DIMS):
+    if tuple(logits.dims) != LOGIT_DIMS:
         raise _store_error(path, f"logits has dims {logits.dims}, expected {LOGIT_DIMS}")
     num_tokens = num_frames * tokens_per_frame
     for dim in ("query_token", "key_token"):
@@ -258,7 +446,7 @@ def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]
             )
     expected_frames = token_frames(num_frames, tokens_per_frame)
     for name in ("query_frame", "key_frame"):
-        if name in ds.variables and not np.array_equal(ds[name].values, expected_frames):
+        if name in ds.variables and not np.array_equal(_values(path, ds, name), expected_frames):
             raise _store_error(
                 path, f"{name} does not map token t to frame t // {tokens_per_frame}"
             )
@@ -276,26 +464,38 @@ def reduce_token_store(
 ) -> None:
     """Reduce a token store to a frame dataset written atomically at `out` (zarr v3).
 
-    The result is written to a sibling `<out>.tmp` directory and renamed to `out` only when
-    complete, so a failure never leaves something at `out` that looks finished.
+    The result is written to a sibling `<out>.tmp` directory, marked `complete` last and renamed
+    to `out` only then, so a failure never leaves something at `out` that looks finished.
     """
     tune_zarr()
     token_store = Path(token_store)
     out = Path(out)
     if not (token_store / "zarr.json").is_file():
         raise FileNotFoundError(f"token store {token_store} is not a zarr v3 group")
-    with xr.open_zarr(token_store, chunks=None) as ds:  # lazy: nothing read yet
+    _check_metadata_copies("token store", token_store)
+    try:
+        opened = xr.open_zarr(token_store, chunks=None)  # lazy: nothing read yet
+    except Exception as err:
+        problem = f"{type(err).__name__}: {err}"
+        raise _store_error(
+            token_store, f"its zarr.json cannot be read ({problem}); {_STORE_DAMAGED}"
+        ) from err
+    with opened as ds:
         result = _reduce_dataset(token_store, ds, threads)
+    encoding = {name: {"compressors": checked_compressors()} for name in result.variables}
     with atomic_path(out) as temporary:
-        result.to_zarr(temporary, mode="w", zarr_format=3, consolidated=True)
+        result.to_zarr(temporary, mode="w", zarr_format=3, consolidated=False, encoding=encoding)
+        mark_complete(temporary)
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
     """The frame dataset of an opened token store."""
     tokens_per_frame, num_frames, sizes = _check_token_store(token_store, ds)
-    pooled = ds["logit_mean_pooled"].values if "logit_mean_pooled" in ds.variables else None
+    pooled = _values(token_store, ds, "logit_mean_pooled") if "logit_mean_pooled" in ds else None
     if "logits" in ds.variables:
-        logit_mean, prob_mass, entropy = _reduce_logits(ds, tokens_per_frame, num_frames, threads)
+        logit_mean, prob_mass, entropy = _reduce_logits(
+            token_store, tokens_per_frame, num_frames, threads
+        )
         if pooled is not None:
             _cross_check(token_store, logit_mean, pooled)
     else:
@@ -306,7 +506,8 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
     num_steps, num_heads = logit_mean.shape[:2]
 
     frames = np.arange(num_frames)
-    attrs = dict(ds.attrs)
+    # The token store's provenance, but its own completeness: marked when the dataset is written.
+    attrs = {k: v for k, v in ds.attrs.items() if k not in ("complete", ATTRIBUTES_CHECKSUM)}
     return xr.Dataset(
         {
             "logit_mean": (FRAME_DIMS, logit_mean),
@@ -318,8 +519,8 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
             "head": np.arange(num_heads),
             "query_frame": frames,
             "key_frame": frames,
-            "timestep": ("step", np.asarray(ds["timestep"].values, dtype=np.float32)),
-            "pass_kind": ("step", _strings(ds["pass_kind"].values)),
+            "timestep": ("step", np.asarray(_values(token_store, ds, "timestep"), np.float32)),
+            "pass_kind": ("step", _strings(_values(token_store, ds, "pass_kind"))),
             "block": ("query_frame", block_of_frame(sizes)),
             "checkpoint": _strings(attrs.get("checkpoint", "")),
             "prompt": _strings(attrs.get("prompt", "")),
@@ -330,21 +531,28 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
 
 
 def _reduce_logits(
-    ds: xr.Dataset, tokens_per_frame: int, num_frames: int, threads: int | None
+    path: Path, tokens_per_frame: int, num_frames: int, threads: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """logit_mean, prob_mass and entropy from the token logits, in one threaded dask pass."""
-    # One dask chunk = one query frame's rows of one head and pass, i.e. one shard of the store.
-    # Only the logits are chunked: chunking the 1-D coordinates per step would split their storage.
-    row_chunks = {"step": 1, "head": 1, "query_token": tokens_per_frame, "key_token": -1}
-    logits = ds["logits"].transpose(*LOGIT_DIMS).chunk(row_chunks).data
+    # One dask block = one query frame's rows of one head and pass, i.e. one shard of the store,
+    # read with zarr inside the block's task (_read_rows names a shard that fails its read).
+    try:
+        logits = zarr.open_group(str(path), mode="r")["logits"]
+    except Exception as err:
+        raise _store_error(
+            path,
+            f"variable 'logits' cannot be opened ({type(err).__name__}: {err}); {_STORE_DAMAGED}",
+        ) from err
     num_steps, num_heads = logits.shape[:2]
     reduced = da.map_blocks(
-        _reduce_block,
-        logits,
-        num_frames,
+        _reduce_shard,
         chunks=((1,) * num_steps, (1,) * num_heads, (1,) * num_frames, (2 * num_frames + 1,)),
         dtype=np.float32,
         meta=np.empty((0, 0, 0, 0), dtype=np.float32),
+        logits=logits,
+        path=path,
+        tokens_per_frame=tokens_per_frame,
+        num_frames=num_frames,
     )
     return dask.compute(
         reduced[..., :num_frames],
@@ -358,19 +566,53 @@ def _reduce_logits(
 def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None:
     """The token reduction must equal the pooled (mean q).(mean k) up to float16 rounding."""
     seen = ~np.isnan(logit_mean)
-    if not np.array_equal(seen, ~np.isnan(pooled)):
-        raise _store_error(path, "logits and logit_mean_pooled disagree on the visible tiles")
+    disagree = seen != ~np.isnan(pooled)
+    if disagree.any():
+        raise _store_error(
+            path,
+            f"logits and logit_mean_pooled disagree on the visible tiles (first at "
+            f"{_tile_name(disagree)}): a logits shard is missing or the store is damaged; "
+            f"re-run its extraction",
+        )
     if not seen.any():
         return
-    difference = float(np.abs(logit_mean[seen] - pooled[seen]).max())
+    error = np.where(seen, np.abs(logit_mean - pooled), 0.0)
+    difference = float(error.max())
     # float16 keeps 11 significant bits: a mean of rounded logits is off by <= 2^-11 of their size.
     tolerance = 2.0**-10 * (1.0 + float(np.abs(pooled[seen]).max()))
     if difference > tolerance:
         raise _store_error(
             path,
             f"logit_mean from the token logits differs from the pooled q.k by {difference:.3g} "
-            f"(> {tolerance:.3g}): the stored logits are not what the model computed",
+            f"(> {tolerance:.3g}; at {_tile_name(error == difference)}): the stored logits are "
+            f"not what the model computed",
         )
+
+
+def _tile_name(where: np.ndarray) -> str:
+    """The first True of a (step, head, query frame, key frame) mask, in words."""
+    step, head, query, key = (int(i) for i in np.argwhere(where)[0])
+    return f"step {step}, head {head}, query frame {query}, key frame {key}"
+
+
+def _unreadable_frames(path: Path, err: Exception, name: str | None = None) -> ValueError:
+    """The error for a frame dataset that fails a read: the variable and chunk that fail, found
+    with zarr (the first that fails if `name` is None), else the path alone."""
+    try:
+        group = zarr.open_group(str(path), mode="r")
+        names = [name] if name is not None else sorted(group.array_keys())
+    except Exception:
+        names = []
+    for variable in names:
+        array = _open_array(path, variable)
+        if array is not None and (
+            name is not None or _chunk_failures(array, _region_chunks(array))
+        ):
+            return _unreadable("frame dataset", path, variable, err, array)
+    problem = f"{type(err).__name__}: {err}"
+    return ValueError(
+        f"frame dataset {path} cannot be read ({problem}); {_DAMAGED['frame dataset']}"
+    )
 
 
 FRAME_VARIABLES = ("logit_mean", "prob_mass", "entropy", "timestep", "pass_kind", "block")
@@ -382,8 +624,26 @@ def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"frame dataset not found: {path}")
-    with xr.open_zarr(path) as ds:
+    _check_metadata_copies("frame dataset", path)
+    try:
+        opened = xr.open_zarr(path)  # reads the dimension coordinates already
+    except Exception as err:
+        raise _unreadable_frames(path, err) from err
+    with opened as ds:
+        for name, variable in ds.variables.items():
+            try:
+                variable.load()
+            except Exception as err:
+                raise _unreadable_frames(path, err, name) from err
         ds = ds.load()
+    damage = _attributes_damage(ds.attrs)
+    if damage is not None:
+        raise ValueError(f"frame dataset {path}: {damage}; {_DAMAGED['frame dataset']}")
+    if ds.attrs.get("complete") is not True:
+        raise ValueError(
+            f"frame dataset {path}: not marked complete: its reduce was killed or is still "
+            "running; re-run it"
+        )
     missing = [
         name
         for name in (*FRAME_VARIABLES, "checkpoint", "prompt", "layer")

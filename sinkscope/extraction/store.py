@@ -2,25 +2,33 @@
 
 One background thread writes each store, so the model computes the next tile while the last one is
 compressed and written. The store is built under `<name>.partial` and renamed when complete: a
-killed job never leaves a directory that looks whole.
+killed job never leaves a directory that looks whole. Every chunk and every shard index carries a
+crc32c checksum: a changed byte fails its read instead of reducing to different numbers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 
-from sinkscope.storage import remove, replace, temporary_path, tune_zarr
+from sinkscope.storage import (
+    checked_compressors,
+    mark_complete,
+    remove,
+    replace,
+    temporary_path,
+    tune_zarr,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +40,44 @@ PARTIAL_SUFFIX = ".partial"
 
 
 def logits_codec() -> BloscCodec:
+    """The compressor of the logits chunks (followed by a checksum: `logits_compressors`)."""
     # Byte shuffle with typesize 2 groups the float16 exponent bytes, which is what compresses
     # (the mantissas are noise). zstd level 1 compresses as well as 3 (1.09x) and writes ~30%
     # faster: benchmarks/README.md.
     return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2)
+
+
+class ThreadedCrc32cCodec(Crc32cCodec):
+    """zarr's crc32c codec, the same on disk and in the metadata ({"name": "crc32c"}), that
+    computes its checksums in worker threads as zarr's BloscCodec compresses: zarr's own computes
+    them in its event loop, one chunk after the other, which cost the writes twice as much
+    (benchmarks/README.md, "Checksums")."""
+
+    async def _encode_single(self, chunk_bytes, chunk_spec):
+        return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+
+def logits_compressors() -> tuple[BloscCodec, Crc32cCodec]:
+    """The bytes -> bytes codecs of each (T, T) logits chunk: blosc, then a crc32c checksum of
+    the compressed bytes, so that any changed byte of a chunk fails its read."""
+    return (logits_codec(), ThreadedCrc32cCodec())
+
+
+def shard_index_codecs() -> tuple[BytesCodec, Crc32cCodec]:
+    """The codecs of each shard's index (zarr's default, spelt out): the chunk offsets and
+    lengths carry a crc32c checksum too, so a damaged or truncated shard fails its read."""
+    return (BytesCodec(endian="little"), Crc32cCodec())
+
+
+def logits_sharding(frame_seq_length: int) -> ShardingCodec:
+    """The serializer of the logits array: (1, 1, T, T) chunks inside each shard."""
+    t = frame_seq_length
+    return ShardingCodec(
+        chunk_shape=(1, 1, t, t),
+        codecs=(BytesCodec(endian="little"), *logits_compressors()),
+        index_codecs=shard_index_codecs(),
+        index_location="end",
+    )
 
 
 def partial_path(path: Path) -> Path:
@@ -94,11 +136,13 @@ class TokenStoreWriter:
             self.logits = group.create_array(
                 "logits",
                 shape=(steps, num_heads, self.num_tokens, self.num_tokens),
-                chunks=(1, 1, t, t),
-                shards=(1, 1, t, self.num_tokens),
+                # Shards (1, 1, T, N) of chunks (1, 1, T, T), each chunk and each shard index
+                # with a crc32c checksum.
+                chunks=(1, 1, t, self.num_tokens),
+                serializer=logits_sharding(t),
+                compressors=None,
                 dtype="float16",
                 fill_value=np.nan,
-                compressors=logits_codec(),
                 dimension_names=LOGITS_DIMS,
                 attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
                 # Only visible tiles are ever written, so zarr need not test each for all-NaN
@@ -120,6 +164,7 @@ class TokenStoreWriter:
                 shape=values.shape,
                 dtype=str if name == "pass_kind" else values.dtype,
                 dimension_names=dims,
+                compressors=checked_compressors(),
             )
             array[:] = values
         self.bytes_written = 0  # logical float16 bytes of the visible tiles
@@ -193,16 +238,13 @@ class TokenStoreWriter:
             dtype="float32",
             fill_value=np.nan,
             dimension_names=POOLED_DIMS,
+            compressors=checked_compressors(),
         )
         pooled[:] = self.pooled
         # Marked only now: a store without `complete` is never accepted downstream.
-        self._group.attrs.update(
-            {"complete": True, "completed_at": datetime.now(UTC).isoformat(timespec="milliseconds")}
+        mark_complete(
+            self.tmp, {"completed_at": datetime.now(UTC).isoformat(timespec="milliseconds")}
         )
-        with warnings.catch_warnings():
-            # zarr notes that consolidated metadata is not in the v3 spec
-            warnings.simplefilter("ignore")
-            zarr.consolidate_metadata(str(self.tmp))
         replace(self.tmp, self.path)
         log.info(
             "%s: %.2f GB of logits written in %.1f s of writer time (%.0f MB/s)",

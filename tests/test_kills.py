@@ -1,0 +1,80 @@
+"""A job killed at any point of its write (with Snakemake, as `kill -9` or a power cut would)
+leaves nothing that looks complete, and a plain rerun restores exactly what a clean run writes:
+no stale temporary left, every file byte for byte. The faults: tests/faults/sitecustomize.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .workflowtools import demo_copy, snakemake
+
+pytestmark = pytest.mark.workflow
+
+FAULTS = Path(__file__).parent / "faults"
+
+
+def result_files(workdir: Path) -> dict[str, bytes]:
+    """Every file under results/ but the job logs, by path."""
+    root = workdir / "results"
+    return {
+        str(path.relative_to(root)): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.relative_to(root).parts[0] != "logs"
+    }
+
+
+@pytest.mark.parametrize(
+    ("target", "point"),
+    [
+        ("results/frames/demo_a/eagle/layer0.zarr", "mid-write"),
+        ("results/frames/demo_a/eagle/layer0.zarr", "before-rename"),
+        ("results/frames/demo_a/eagle/layer0.zarr", "after-rename"),
+        ("results/stats/demo_b/harbor/layer2.csv", "mid-write"),
+        ("results/stats/summary.csv", "before-rename"),
+        ("results/figures/demo_a/harbor/figure4.svg", "mid-write"),
+    ],
+    ids=[
+        "reduce-mid-write",
+        "reduce-before-rename",
+        "reduce-after-rename",
+        "stats-mid-write",
+        "summary-before-rename",
+        "figures-mid-write",
+    ],
+)
+def test_a_killed_job_reruns_to_a_clean_run(demo_run, tmp_path, target, point):
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
+        "SINKSCOPE_KILL_AT": point,
+    }
+    killed = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", target, "--forcerun", target],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    output = workdir / target
+    if point != "after-rename":
+        assert not output.exists(), "a killed job left its output"
+        assert list(output.parent.glob(f"{output.name}*.tmp")), "the kill came before the write"
+    snakemake(workdir, "--unlock")
+    snakemake(workdir)  # a plain rerun
+    assert not [
+        p for p in (workdir / "results").rglob("*") if p.name.endswith((".tmp", ".partial"))
+    ]
+    clean = result_files(demo_run)
+    rerun = result_files(workdir)
+    assert rerun.keys() == clean.keys()
+    assert [name for name in clean if rerun[name] != clean[name]] == []
