@@ -817,11 +817,12 @@ def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
 
 
 def _datasets_for(
-    kind: figures.FigureKind, datasets: Sequence[xr.Dataset], heads: Sequence[tuple[int, int]]
+    layers: str, datasets: Sequence[xr.Dataset], heads: Sequence[tuple[int, int]]
 ) -> list[xr.Dataset]:
-    """The datasets a run or compare figure reads: all, or those of the heads' layers. When none
-    holds a head's layer all are kept, so that the figure's own check names the missing layer."""
-    if kind.layers == "captured":
+    """The datasets a run or compare figure reads (`FigureKind.layers`): all (`captured`), or
+    those of the heads' layers (`heads`). When none holds a head's layer all are kept, so that
+    the figure's own check names the missing layer."""
+    if layers == "captured":
         return list(datasets)
     wanted = {layer for layer, _ in heads}
     return [ds for ds in datasets if _layer(ds) in wanted] or list(datasets)
@@ -855,7 +856,7 @@ def render_figures(
         layers = _by_layer(datasets)
         _check_run_heads(layers, heads)
     if "compare" in scopes:
-        _check_compare_inputs(_datasets_for(figures.FIGURES["passes"], datasets, heads), heads)
+        _check_compare_inputs(_datasets_for("heads", datasets, heads), heads)
     options = {"heads": heads, "measure": measure, "frame_axis": frame_axis, "step": step}
     written = []
     for path, kind, layer, fmt in plan:
@@ -867,6 +868,6 @@ def render_figures(
                 raise ValueError(f"{path}: no frame dataset of layer {layer} given")
             data = layers[layer]
         else:
-            data = _datasets_for(kind, datasets, heads)
+            data = _datasets_for(kind.layers, datasets, heads)
         written.append(save_figure(builder(data, **kwargs), path, fmt))
     return written

@@ -307,12 +307,21 @@ def _storage_keys(array: zarr.Array, chunk_coords: list[tuple[int, ...]]) -> str
     return ", ".join(keys)
 
 
-# What to do about a token store or a frame dataset that fails a read.
-_STORE_DAMAGED = "the store is damaged: re-run its extraction"
+# What to do about a token store or a frame dataset that fails a read, and the job that made it.
 _DAMAGED = {
-    "token store": _STORE_DAMAGED,
+    "token store": "the store is damaged: re-run its extraction",
     "frame dataset": "the dataset is damaged: re-run its reduce",
 }
+_MADE_BY = {"token store": "extraction", "frame dataset": "reduce"}
+
+
+def _damaged(kind: str, path: Path, problem: str) -> ValueError:
+    """The error for a `kind` at `path` that is damaged in the way `problem` says."""
+    return ValueError(f"{kind} {path}: {problem}; {_DAMAGED[kind]}")
+
+
+def _cause(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _unreadable(
@@ -338,9 +347,7 @@ def _unreadable(
         where += f", chunk {_storage_keys(array, coords)}"
     if detail:
         where += f" ({detail})"
-    return ValueError(
-        f"{kind} {path}: {where} cannot be read ({type(cause).__name__}: {cause}); {_DAMAGED[kind]}"
-    )
+    return _damaged(kind, path, f"{where} cannot be read ({_cause(cause)})")
 
 
 def _open_array(path: Path, name: str) -> zarr.Array | None:
@@ -372,52 +379,47 @@ def _check_metadata_copies(kind: str, path: Path) -> None:
         root = json.loads((path / "zarr.json").read_text())
         consolidated = (root.get("consolidated_metadata") or {}).get("metadata") or {}
     except Exception as err:
-        problem = f"{type(err).__name__}: {err}"
-        raise ValueError(
-            f"{kind} {path}: its zarr.json cannot be read ({problem}); {_DAMAGED[kind]}"
-        ) from err
+        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
     for name, metadata in consolidated.items():
         file = f"{name}/zarr.json"
         try:
             own = json.loads((path / file).read_text())
         except Exception as err:
-            problem = f"{type(err).__name__}: {err}"
-            raise ValueError(
-                f"{kind} {path}: variable {name!r}: {file} cannot be read ({problem}); "
-                f"{_DAMAGED[kind]}"
-            ) from err
+            problem = f"variable {name!r}: {file} cannot be read ({_cause(err)})"
+            raise _damaged(kind, path, problem) from err
         if own != metadata:
-            raise ValueError(
-                f"{kind} {path}: variable {name!r}: {file} differs from its copy consolidated in "
-                f"zarr.json, so one of them is damaged; {_DAMAGED[kind]}"
+            raise _damaged(
+                kind,
+                path,
+                f"variable {name!r}: {file} differs from its copy consolidated in zarr.json, so "
+                "one of them is damaged",
             )
 
 
-def _attributes_damage(attrs: dict) -> str | None:
-    """What is wrong with the attributes' checksum, if they have one; None if nothing."""
-    if ATTRIBUTES_CHECKSUM not in attrs:
-        return None  # written before the checksum, or by another writer
-    try:
-        computed = attributes_checksum(attrs)
-    except (TypeError, ValueError) as err:
-        return f"its attributes cannot be checked ({type(err).__name__}: {err})"
-    if attrs[ATTRIBUTES_CHECKSUM] != computed:
-        return (
-            f"its attributes (in zarr.json) fail their checksum: {ATTRIBUTES_CHECKSUM} is "
-            f"{attrs[ATTRIBUTES_CHECKSUM]!r}, computed {computed}"
+def _check_attributes(kind: str, path: Path, attrs: dict) -> None:
+    """The attributes pass their checksum (if they have one) and carry the `complete` mark."""
+    if ATTRIBUTES_CHECKSUM in attrs:  # absent: written before the checksum, or by another writer
+        try:
+            computed = attributes_checksum(attrs)
+        except (TypeError, ValueError) as err:
+            raise _damaged(kind, path, f"its attributes cannot be checked ({_cause(err)})") from err
+        if attrs[ATTRIBUTES_CHECKSUM] != computed:
+            raise _damaged(
+                kind,
+                path,
+                f"its attributes (in zarr.json) fail their checksum: {ATTRIBUTES_CHECKSUM} is "
+                f"{attrs[ATTRIBUTES_CHECKSUM]!r}, computed {computed}",
+            )
+    if attrs.get("complete") is not True:
+        raise ValueError(
+            f"{kind} {path}: not marked complete: its {_MADE_BY[kind]} was killed or is still "
+            "running; re-run it"
         )
-    return None
 
 
 def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate the layout against the attributes; returns (T, F, block sizes)."""
-    damage = _attributes_damage(ds.attrs)
-    if damage is not None:
-        raise _store_error(path, f"{damage}; {_STORE_DAMAGED}")
-    if ds.attrs.get("complete") is not True:
-        raise _store_error(
-            path, "not marked complete: its extraction was killed or is still running; re-run it"
-        )
+    _check_attributes("token store", path, ds.attrs)
     for key in ("frame_seq_length", "num_frames", "block_sizes"):
         if key not in ds.attrs:
             raise _store_error(path, f"missing group attribute {key!r}")
@@ -476,10 +478,8 @@ def reduce_token_store(
     try:
         opened = xr.open_zarr(token_store, chunks=None)  # lazy: nothing read yet
     except Exception as err:
-        problem = f"{type(err).__name__}: {err}"
-        raise _store_error(
-            token_store, f"its zarr.json cannot be read ({problem}); {_STORE_DAMAGED}"
-        ) from err
+        problem = f"its zarr.json cannot be read ({_cause(err)})"
+        raise _damaged("token store", token_store, problem) from err
     with opened as ds:
         result = _reduce_dataset(token_store, ds, threads)
     encoding = {name: {"compressors": checked_compressors()} for name in result.variables}
@@ -539,10 +539,8 @@ def _reduce_logits(
     try:
         logits = zarr.open_group(str(path), mode="r")["logits"]
     except Exception as err:
-        raise _store_error(
-            path,
-            f"variable 'logits' cannot be opened ({type(err).__name__}: {err}); {_STORE_DAMAGED}",
-        ) from err
+        problem = f"variable 'logits' cannot be opened ({_cause(err)})"
+        raise _damaged("token store", path, problem) from err
     num_steps, num_heads = logits.shape[:2]
     reduced = da.map_blocks(
         _reduce_shard,
@@ -609,9 +607,8 @@ def _unreadable_frames(path: Path, err: Exception, name: str | None = None) -> V
             name is not None or _chunk_failures(array, _region_chunks(array))
         ):
             return _unreadable("frame dataset", path, variable, err, array)
-    problem = f"{type(err).__name__}: {err}"
     return ValueError(
-        f"frame dataset {path} cannot be read ({problem}); {_DAMAGED['frame dataset']}"
+        f"frame dataset {path} cannot be read ({_cause(err)}); {_DAMAGED['frame dataset']}"
     )
 
 
@@ -636,14 +633,7 @@ def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
             except Exception as err:
                 raise _unreadable_frames(path, err, name) from err
         ds = ds.load()
-    damage = _attributes_damage(ds.attrs)
-    if damage is not None:
-        raise ValueError(f"frame dataset {path}: {damage}; {_DAMAGED['frame dataset']}")
-    if ds.attrs.get("complete") is not True:
-        raise ValueError(
-            f"frame dataset {path}: not marked complete: its reduce was killed or is still "
-            "running; re-run it"
-        )
+    _check_attributes("frame dataset", path, ds.attrs)
     missing = [
         name
         for name in (*FRAME_VARIABLES, "checkpoint", "prompt", "layer")

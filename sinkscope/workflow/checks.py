@@ -126,7 +126,7 @@ def _values_at(value, parts: list[str], key: str):
 def _check_integers(config: dict) -> None:
     for path in INTEGER_KEYS:
         for key, value in _values_at(config, path.split("."), ""):
-            if isinstance(value, float) or isinstance(value, bool):
+            if isinstance(value, float | bool):
                 raise ConfigError(f"{key}: {value!r} must be an integer (no decimal point)")
 
 
