@@ -34,6 +34,9 @@ from sinkscope.storage import (
 )
 
 LOGIT_DIMS = ("step", "head", "query_token", "key_token")
+KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
+# The `store` attribute of a store (and of the frame dataset reduced from it), in words.
+STORE_NAMES = {"tokens": "token store", "attention": "attention store"}
 FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
 
 # The fast path of reduce_rows works on sub-blocks of about this many logits (an 8-byte index and
@@ -310,9 +313,10 @@ def _storage_keys(array: zarr.Array, chunk_coords: list[tuple[int, ...]]) -> str
 # What to do about a token store or a frame dataset that fails a read, and the job that made it.
 _DAMAGED = {
     "token store": "the store is damaged: re-run its extraction",
+    "attention store": "the store is damaged: re-run its survey",
     "frame dataset": "the dataset is damaged: re-run its reduce",
 }
-_MADE_BY = {"token store": "extraction", "frame dataset": "reduce"}
+_MADE_BY = {"token store": "extraction", "attention store": "survey", "frame dataset": "reduce"}
 
 
 def _damaged(kind: str, path: Path, problem: str) -> ValueError:
@@ -360,12 +364,12 @@ def _open_array(path: Path, name: str) -> zarr.Array | None:
     return array if isinstance(array, zarr.Array) else None
 
 
-def _values(path: Path, ds: xr.Dataset, name: str) -> np.ndarray:
-    """ds[name].values of a token store; a failed read names the variable and its chunk."""
+def _values(path: Path, ds: xr.Dataset, name: str, kind: str = "token store") -> np.ndarray:
+    """ds[name].values of a store; a failed read names the variable and its chunk."""
     try:
         return ds[name].values
     except Exception as err:
-        raise _unreadable("token store", path, name, err, _open_array(path, name)) from err
+        raise _unreadable(kind, path, name, err, _open_array(path, name)) from err
 
 
 def _store_error(path: Path, message: str) -> ValueError:
@@ -464,28 +468,128 @@ def _strings(values) -> np.ndarray:
 def reduce_token_store(
     token_store: str | os.PathLike, out: str | os.PathLike, *, threads: int | None = None
 ) -> None:
-    """Reduce a token store to a frame dataset written atomically at `out` (zarr v3).
+    """Reduce a token store (Contract 1) to a frame dataset written atomically at `out`.
 
     The result is written to a sibling `<out>.tmp` directory, marked `complete` last and renamed
     to `out` only then, so a failure never leaves something at `out` that looks finished.
     """
+    _reduce_store(token_store, out, "tokens", lambda path, ds: _reduce_dataset(path, ds, threads))
+
+
+def reduce_attention_store(
+    attention_store: str | os.PathLike, out: str | os.PathLike, *, threads: int | None = None
+) -> None:
+    """Reduce an attention store (Contract 4) to a frame dataset written atomically at `out`:
+    `prob_mass` is `key_mass` summed over each key frame's tokens, `entropy` is stored as is,
+    `logit_mean` is the pooled mean logits; the same Contract 2 as a token store gives."""
+    _reduce_store(
+        attention_store,
+        out,
+        "attention",
+        lambda path, ds: _reduce_attention_dataset(path, ds, threads),
+    )
+
+
+def _reduce_store(store, out, kind: str, reducer) -> None:
+    """Open a store of `kind` lazily, reduce it with `reducer(path, ds)`, write the frame dataset
+    atomically at `out` and mark it complete last."""
     tune_zarr()
-    token_store = Path(token_store)
-    out = Path(out)
-    if not (token_store / "zarr.json").is_file():
-        raise FileNotFoundError(f"token store {token_store} is not a zarr v3 group")
-    _check_metadata_copies("token store", token_store)
+    store, out = Path(store), Path(out)
+    name = STORE_NAMES[kind]
+    if not (store / "zarr.json").is_file():
+        raise FileNotFoundError(f"{name} {store} is not a zarr v3 group")
+    _check_metadata_copies(name, store)
     try:
-        opened = xr.open_zarr(token_store, chunks=None)  # lazy: nothing read yet
+        opened = xr.open_zarr(store, chunks=None)  # lazy: nothing read yet
     except Exception as err:
         problem = f"its zarr.json cannot be read ({_cause(err)})"
-        raise _damaged("token store", token_store, problem) from err
+        raise _damaged(name, store, problem) from err
     with opened as ds:
-        result = _reduce_dataset(token_store, ds, threads)
-    encoding = {name: {"compressors": checked_compressors()} for name in result.variables}
+        result = reducer(store, ds)
+    encoding = {variable: {"compressors": checked_compressors()} for variable in result.variables}
     with atomic_path(out) as temporary:
         result.to_zarr(temporary, mode="w", zarr_format=3, consolidated=False, encoding=encoding)
         mark_complete(temporary)
+
+
+def _check_attention_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
+    """Validate an attention store's layout against its attributes: (T, F, block sizes)."""
+    kind = STORE_NAMES["attention"]
+    _check_attributes(kind, path, ds.attrs)
+    for key in ("frame_seq_length", "num_frames", "block_sizes"):
+        if key not in ds.attrs:
+            raise ValueError(f"{kind} {path}: missing group attribute {key!r}")
+    for name in ("key_mass", "entropy", "logit_mean_pooled", "timestep", "pass_kind"):
+        if name not in ds.variables:
+            raise ValueError(f"{kind} {path}: missing array {name!r}")
+    tokens_per_frame = int(ds.attrs["frame_seq_length"])
+    num_frames = int(ds.attrs["num_frames"])
+    sizes = [int(size) for size in ds.attrs["block_sizes"]]
+    if sum(sizes) != num_frames:
+        raise ValueError(
+            f"{kind} {path}: block_sizes {sizes} do not add up to num_frames={num_frames}"
+        )
+    key_mass = ds["key_mass"]
+    if tuple(key_mass.dims) != KEY_MASS_DIMS:
+        raise ValueError(
+            f"{kind} {path}: key_mass has dims {key_mass.dims}, expected {KEY_MASS_DIMS}"
+        )
+    expected = {"query_frame": num_frames, "key_token": num_frames * tokens_per_frame}
+    for dim, size in expected.items():
+        if ds.sizes[dim] != size:
+            raise ValueError(
+                f"{kind} {path}: {dim} has {ds.sizes[dim]} entries, expected {size} "
+                f"(num_frames={num_frames}, frame_seq_length={tokens_per_frame})"
+            )
+    return tokens_per_frame, num_frames, sizes
+
+
+def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
+    """The frame dataset of an opened attention store: key_mass summed per key frame (xarray
+    coarsen over dask chunks, one chunk per pass and block), the stored entropy, pooled logits."""
+    kind = STORE_NAMES["attention"]
+    tokens_per_frame, _, sizes = _check_attention_store(path, ds)
+    # dask-backed, one task per stored chunk (one pass and block, every head and key token).
+    key_mass = xr.open_zarr(path)["key_mass"].drop_vars("key_frame", errors="ignore")
+    # Key tokens -> (key frame, token); a key frame is either wholly visible or not at all, so
+    # NaN stays NaN (skipna=False).
+    per_frame = key_mass.coarsen(key_token=tokens_per_frame).construct(
+        key_token=("key_frame", "token")
+    )
+    try:
+        with dask.config.set(scheduler="threads", num_workers=threads or os.cpu_count()):
+            prob_mass = per_frame.sum("token", skipna=False).values.astype(np.float32)
+    except Exception as err:
+        array = _open_array(path, "key_mass")
+        if array is not None and not _chunk_failures(array, _region_chunks(array)):
+            raise  # not a damaged chunk
+        raise _unreadable(kind, path, "key_mass", err, array) from err
+    entropy = _values(path, ds, "entropy", kind).astype(np.float32)
+    logit_mean = _values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
+    _check_mass(path, prob_mass, logit_mean)
+    return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention")
+
+
+def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
+    """key_mass must cover exactly the tiles the pooled logits saw and sum to 1 per query frame:
+    otherwise a chunk is missing or the store is not what the survey computed."""
+    kind = STORE_NAMES["attention"]
+    disagree = np.isnan(prob_mass) != np.isnan(pooled)
+    if disagree.any():
+        raise ValueError(
+            f"{kind} {path}: key_mass and logit_mean_pooled disagree on the visible key frames "
+            f"(first at {_tile_name(disagree)}): a key_mass chunk is missing or the store is "
+            f"damaged; {_DAMAGED[kind]}"
+        )
+    totals = np.nansum(prob_mass, axis=-1)
+    seen = ~np.isnan(pooled).all(axis=-1)
+    error = np.abs(np.where(seen, totals, 1.0) - 1.0)
+    if error.max(initial=0.0) > 1e-3:
+        step, head, frame = (int(i) for i in np.argwhere(error == error.max())[0])
+        raise ValueError(
+            f"{kind} {path}: key_mass of step {step}, head {head}, query frame {frame} sums to "
+            f"{totals[step, head, frame]:.6f}, not 1; {_DAMAGED[kind]}"
+        )
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
@@ -497,17 +601,35 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
             token_store, tokens_per_frame, num_frames, threads
         )
         if pooled is not None:
+            # The token means are checked against the exact pooled ones, which are then used:
+            # the same logit_mean as an attention store of the same rollout gives.
             _cross_check(token_store, logit_mean, pooled)
+            logit_mean = pooled.astype(np.float32)
     else:
         # capture.tokens: false. Exact frame-level logits; probabilities need the token pairs.
         logit_mean = pooled.astype(np.float32)
         prob_mass = np.full_like(logit_mean, np.nan)
         entropy = np.full(logit_mean.shape[:3], np.nan, dtype=np.float32)
-    num_steps, num_heads = logit_mean.shape[:2]
 
+    return _frame_dataset(ds, token_store, logit_mean, prob_mass, entropy, sizes, "tokens")
+
+
+def _frame_dataset(
+    ds: xr.Dataset,
+    path: Path,
+    logit_mean: np.ndarray,
+    prob_mass: np.ndarray,
+    entropy: np.ndarray,
+    sizes: list[int],
+    store: str,
+) -> xr.Dataset:
+    """Contract 2 from the reduced arrays and the store `ds` (of kind `store`) they come from."""
+    kind = STORE_NAMES[store]
+    num_steps, num_heads, num_frames = logit_mean.shape[:3]
     frames = np.arange(num_frames)
-    # The token store's provenance, but its own completeness: marked when the dataset is written.
+    # The store's provenance, but its own completeness: marked when the dataset is written.
     attrs = {k: v for k, v in ds.attrs.items() if k not in ("complete", ATTRIBUTES_CHECKSUM)}
+    attrs["store"] = store  # stores written before the attention store lack it
     return xr.Dataset(
         {
             "logit_mean": (FRAME_DIMS, logit_mean),
@@ -519,8 +641,8 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
             "head": np.arange(num_heads),
             "query_frame": frames,
             "key_frame": frames,
-            "timestep": ("step", np.asarray(_values(token_store, ds, "timestep"), np.float32)),
-            "pass_kind": ("step", _strings(_values(token_store, ds, "pass_kind"))),
+            "timestep": ("step", np.asarray(_values(path, ds, "timestep", kind), np.float32)),
+            "pass_kind": ("step", _strings(_values(path, ds, "pass_kind", kind))),
             "block": ("query_frame", block_of_frame(sizes)),
             "checkpoint": _strings(attrs.get("checkpoint", "")),
             "prompt": _strings(attrs.get("prompt", "")),

@@ -1,8 +1,12 @@
-"""Which layers and passes are captured, and the logits tiles computed next to the real attention.
+"""Which layers and passes are captured, and what is computed next to the real attention.
 
 The attention output keeps its fused kernel; the capture recomputes q.k / sqrt(head_dim) one query
-frame and one head at a time (T x visible keys), so the full matrix never exists in memory. It
-also records frame-level mean logits from mean-pooled q and k, which need no token pairs at all.
+frame and one head at a time (T x visible keys), so the full matrix never exists in memory. For a
+token store (Contract 1) each such tile is queued to the store as float16. For an attention store
+(Contract 4) the tile's exact softmax (fp32, shifted by each row's max) is reduced on the job's
+device to what the frame-level questions need: the mean probability of every key token over the
+query frame's rows (`key_mass`) and the mean row entropy. Both record frame-level mean logits from
+mean-pooled q and k, which need no token pairs at all.
 """
 
 from __future__ import annotations
@@ -12,26 +16,66 @@ from collections.abc import Sequence
 
 import torch
 
-from .store import TokenStoreWriter
+from .store import AttentionStoreWriter, TokenStoreWriter
+
+# Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
+# (64 rows of 32760 keys: 8 MB), about as fast as the fused attention kernel at head_dim 128
+# (benchmarks/survey.py). On a GPU a whole tile is one chunk.
+CPU_SOFTMAX_ROWS = 64
+
+
+def softmax_reductions(
+    q: torch.Tensor, k: torch.Tensor, scale: float, row_chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact softmax of q [R, D] against k [M, D] (all visible), reduced over the rows.
+
+    Returns (key_mass [M], entropy [R]) in float32: key_mass is the mean over the R rows of the
+    probability each key receives (sums to 1); entropy is each row's -sum p log p, in nats. Rows
+    are taken `row_chunk` at a time (all at once if None): logits, their max, exp, sums. Nothing of
+    size R x M is kept.
+    """
+    q = q.float() * scale
+    k = k.float()
+    rows, keys = q.shape[0], k.shape[0]
+    chunk = rows if row_chunk is None else max(1, min(row_chunk, rows))
+    key_mass = torch.zeros(keys, dtype=torch.float32, device=q.device)
+    entropy = torch.empty(rows, dtype=torch.float32, device=q.device)
+    shifted = torch.empty((chunk, keys), dtype=torch.float32, device=q.device)
+    weights = torch.empty_like(shifted)
+    for start in range(0, rows, chunk):
+        q_rows = q[start : start + chunk]
+        n = q_rows.shape[0]
+        x, w = shifted[:n], weights[:n]
+        torch.mm(q_rows, k.T, out=x)
+        x.sub_(x.amax(dim=1, keepdim=True))  # x <= 0, max 0: exp never overflows, Z >= 1
+        torch.exp(x, out=w)
+        norm = w.sum(dim=1)
+        key_mass.addmv_(w.T, norm.reciprocal())
+        # H = -sum p log p with log p = x - log Z: H = log Z - sum(w x) / Z.
+        entropy[start : start + n] = norm.log() - torch.linalg.vecdot(w, x) / norm
+    return key_mass.div_(rows), entropy
 
 
 class LogitCapture:
-    """Model capture hook: writes the self-attention logits of chosen layers and passes.
+    """Model capture hook: writes the self-attention of chosen layers and passes to their stores
+    (a `TokenStoreWriter` or an `AttentionStoreWriter` per layer).
 
     Call `begin_pass` before every model call; the hook then writes the passes it was asked for.
     """
 
     def __init__(
         self,
-        writers: dict[int, TokenStoreWriter],
+        writers: dict[int, TokenStoreWriter | AttentionStoreWriter],
         pass_indices: Sequence[int],
         frame_seq_length: int,
         head_dim: int,
+        softmax_rows: int | None = None,
     ):
         self.writers = writers
         self.step_of_pass = {p: step for step, p in enumerate(pass_indices)}
         self.frame_seq_length = frame_seq_length
         self.scale = 1.0 / math.sqrt(head_dim)
+        self.softmax_rows = softmax_rows  # None: CPU_SOFTMAX_ROWS on the CPU, a tile on a GPU
         self.step: int | None = None
 
     @property
@@ -68,13 +112,35 @@ class LogitCapture:
         k_pooled = k_sorted.float().unflatten(0, (-1, t)).mean(dim=1)
         pooled = torch.einsum("qhd,khd->hqk", q_pooled.double(), k_pooled.double()) * self.scale
         writer.write_pooled(self.step, first_frame, key_frames, pooled.float().cpu().numpy())
-        if not writer.tokens:
-            return
-        for head in range(q.shape[2]):
+        if isinstance(writer, AttentionStoreWriter):
+            self._attention(writer, q[0], k_sorted, key_frames, first_frame)
+        elif writer.tokens:
+            self._tiles(writer, q[0], k_sorted, key_frames, first_frame)
+
+    def _tiles(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+        t = self.frame_seq_length
+        for head in range(q.shape[1]):
             k_head = k_sorted[:, head].float()
-            for frame in range(q.shape[1] // t):
-                q_frame = q[0, frame * t : (frame + 1) * t, head].float()
+            for frame in range(q.shape[0] // t):
+                q_frame = q[frame * t : (frame + 1) * t, head].float()
                 tile = (q_frame @ k_head.T).mul_(self.scale)  # in place: one T x keys buffer
                 writer.write_row(
                     self.step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
                 )
+
+    def _attention(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+        t = self.frame_seq_length
+        heads, frames = q.shape[1], q.shape[0] // t
+        rows = self.softmax_rows or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
+        key_mass = torch.empty((heads, frames, k_sorted.shape[0]), device=q.device)
+        entropy = torch.empty((heads, frames), device=q.device)
+        for head in range(heads):
+            k_head = k_sorted[:, head].float()
+            for frame in range(frames):
+                q_frame = q[frame * t : (frame + 1) * t, head]
+                mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows)
+                key_mass[head, frame] = mass
+                entropy[head, frame] = row_entropy.mean()
+        writer.write_block(
+            self.step, first_frame, key_frames, key_mass.cpu().numpy(), entropy.cpu().numpy()
+        )

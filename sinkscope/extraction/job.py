@@ -1,5 +1,9 @@
-"""One extraction job: load a checkpoint, plan its token stores, roll out a prompt and capture the
-logits of some layers into them (`extract`, in those three steps)."""
+"""One extraction job: load a checkpoint, plan its stores, roll out a prompt and capture the
+attention of some layers into them (`extract`, in those three steps).
+
+A job writes one kind of store for a group of layers, all from one rollout: token stores
+(Contract 1, `store="tokens"`) or attention stores (Contract 4, `store="attention"`, the survey).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 import torch
 
 from sinkscope import __version__
-from sinkscope.frames import token_store_disk_bytes
+from sinkscope.frames import attention_store_disk_bytes, token_store_disk_bytes
 from sinkscope.passes import resolve_passes
 from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
@@ -27,7 +31,9 @@ from sinkscope.workflow.gpus import job_device
 
 from .capture import LogitCapture
 from .sampling import Geometry, Schedule, rollout
-from .store import TokenStoreWriter, partial_path
+from .store import AttentionStoreWriter, TokenStoreWriter, partial_path
+
+STORE_KINDS = ("tokens", "attention")
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +116,16 @@ def plan_stores(
     outputs: Sequence[str | Path],
     attrs: dict,
     stack: contextlib.ExitStack,
-) -> list[TokenStoreWriter]:
-    """One open token store per layer, entered into `stack`, after checking the layers and
-    claiming their disk space (`storage.reserved_space`, held until the stack closes).
+    store: str = "tokens",
+) -> list[TokenStoreWriter | AttentionStoreWriter]:
+    """One open store of kind `store` (`tokens` or `attention`) per layer, entered into `stack`,
+    after checking the layers and claiming their disk space (`storage.reserved_space`, held until
+    the stack closes).
 
     `attrs`: the provenance every store records; the model and geometry facts are added here.
     """
+    if store not in STORE_KINDS:
+        raise ValueError(f"store must be one of {STORE_KINDS}, got {store!r}")
     bad = [layer for layer in layers if not 0 <= layer < cfg.num_layers]
     if bad:
         raise ValueError(
@@ -134,6 +144,7 @@ def plan_stores(
     ]
     attrs = {
         **attrs,
+        "store": store,
         "num_heads": cfg.num_heads,
         "head_dim": cfg.head_dim,
         "frame_seq_length": frame_seq_length,
@@ -144,40 +155,63 @@ def plan_stores(
         "local_attn_size": plan.local_attn_size,
         "sink_size": plan.sink_size,
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
-        "tokens": plan.tokens,
     }
+    if store == "tokens":
+        attrs["tokens"] = plan.tokens
     folder = Path(outputs[0]).parent
     folder.mkdir(parents=True, exist_ok=True)
-    store_bytes = token_store_disk_bytes(
-        num_passes=len(plan.passes) if plan.tokens else 0,
-        num_heads=cfg.num_heads,
-        frame_seq_length=frame_seq_length,
-        sizes=geometry.block_sizes,
-        local_attn_size=plan.local_attn_size,
-        sink_size=plan.sink_size,
-        block_size=os.statvfs(folder).f_frsize,
+    block_size = os.statvfs(folder).f_frsize
+    if store == "tokens":
+        store_bytes = token_store_disk_bytes(
+            num_passes=len(plan.passes) if plan.tokens else 0,
+            num_heads=cfg.num_heads,
+            frame_seq_length=frame_seq_length,
+            sizes=geometry.block_sizes,
+            local_attn_size=plan.local_attn_size,
+            sink_size=plan.sink_size,
+            block_size=block_size,
+        )
+        what = "the token stores (float16 logits of the visible tiles, stored raw)"
+    else:
+        store_bytes = attention_store_disk_bytes(
+            num_passes=len(plan.passes),
+            num_heads=cfg.num_heads,
+            num_frames=geometry.num_frames,
+            frame_seq_length=frame_seq_length,
+            frames_per_block=geometry.frames_per_block,
+            block_size=block_size,
+        )
+        what = "the attention stores (float32 key mass, stored raw)"
+    log.info(
+        "%d %s store(s) of %s, up to %.3f GB each on disk",
+        len(outputs),
+        store,
+        attrs["checkpoint"],
+        store_bytes / 1e9,
     )
     stack.enter_context(
         reserved_space(
             folder,
             store_bytes * len(outputs),
             writing=[partial_path(Path(out)) for out in outputs],
-            what="the token stores (float16 logits of the visible tiles, stored raw)",
+            what=what,
         )
     )
+    common = {
+        "num_heads": cfg.num_heads,
+        "num_frames": geometry.num_frames,
+        "frame_seq_length": frame_seq_length,
+        "timesteps": plan.timesteps,
+        "pass_kinds": plan.pass_kinds,
+    }
+    if store == "tokens":
+        common["tokens"] = plan.tokens
+        writer_class = TokenStoreWriter
+    else:
+        common["frames_per_block"] = geometry.frames_per_block
+        writer_class = AttentionStoreWriter
     return [
-        stack.enter_context(
-            TokenStoreWriter(
-                out,
-                num_heads=cfg.num_heads,
-                num_frames=geometry.num_frames,
-                frame_seq_length=frame_seq_length,
-                timesteps=plan.timesteps,
-                pass_kinds=plan.pass_kinds,
-                attrs={**attrs, "layer": layer},
-                tokens=plan.tokens,
-            )
-        )
+        stack.enter_context(writer_class(out, attrs={**attrs, "layer": layer}, **common))
         for layer, out in zip(layers, outputs, strict=True)
     ]
 
@@ -228,9 +262,11 @@ def extract(
     layers: Sequence[int],
     outputs: Sequence[str | Path],
     settings: dict,
+    store: str = "tokens",
     progress: bool = True,
 ) -> None:
-    """Write one token store (Contract 1) per layer in `layers` to the matching `outputs` path.
+    """Write one store per layer in `layers` to the matching `outputs` path: a token store
+    (Contract 1) or, with `store="attention"`, an attention store (Contract 4).
 
     settings: `sinkscope.workflow.params.extraction_settings` (checkpoint, sampler, video,
     capture, seed, device). The rollout is the same whichever layers are captured. The job runs on
@@ -267,7 +303,7 @@ def extract(
             "config": settings,
         }
         with contextlib.ExitStack() as stores:
-            writers = plan_stores(cfg, plan, layers, outputs, provenance, stores)
+            writers = plan_stores(cfg, plan, layers, outputs, provenance, stores, store)
             capture = LogitCapture(
                 dict(zip(layers, writers, strict=True)),
                 plan.passes,

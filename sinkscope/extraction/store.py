@@ -36,6 +36,7 @@ LOGITS_DIMS = ("step", "head", "query_token", "key_token")
 # Frame-level mean logits from pooled q and k; own dimension names, since `query_frame` and
 # `key_frame` already name the per-token frame coordinates.
 POOLED_DIMS = ("step", "head", "pooled_query_frame", "pooled_key_frame")
+KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -55,6 +56,15 @@ class ThreadedCrc32cCodec(Crc32cCodec):
 
     async def _encode_single(self, chunk_bytes, chunk_spec):
         return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
+
+
+def key_mass_compressors() -> tuple[BloscCodec, Crc32cCodec]:
+    """The codecs of the attention store's key_mass chunks: blosc zstd with byte shuffle of the
+    float32 values (the NaN of invisible keys compress to nothing), then a crc32c checksum."""
+    return (
+        BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=4),
+        ThreadedCrc32cCodec(),
+    )
 
 
 def logits_compressors() -> tuple[BloscCodec, Crc32cCodec]:
@@ -100,12 +110,15 @@ def key_frame_runs(key_frames: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-class TokenStoreWriter:
-    """Writes one layer's logits rows (one query frame x all key tokens) from a background thread.
+class _StoreWriter:
+    """What both stores share: the group with its attributes and step/frame coordinates, the
+    pooled frame-level mean logits (kept in memory, written at close), a background writer
+    thread fed through a bounded queue, and the `.partial` -> complete -> rename protocol.
 
-    Each row is one zarr shard (1, 1, T, N), written by this one writer only; inner (T, T) chunks
-    of keys the query frame cannot see are never written (they read back as NaN).
+    Subclasses create their own arrays in `_create_arrays` and write one queued item in `_write`.
     """
+
+    what = "store"
 
     def __init__(
         self,
@@ -117,48 +130,33 @@ class TokenStoreWriter:
         timesteps: Sequence[float],
         pass_kinds: Sequence[str],
         attrs: dict,
-        tokens: bool = True,
-        max_pending_rows: int = 2,
+        max_pending: int = 2,
     ):
         tune_zarr()
         self.path = Path(path)
         self.tmp = partial_path(self.path)
         remove(self.tmp)
         self.tmp.parent.mkdir(parents=True, exist_ok=True)
+        self.num_heads = num_heads
+        self.num_frames = num_frames
         self.frame_seq_length = frame_seq_length
         self.num_tokens = num_frames * frame_seq_length
+        self.num_steps = len(timesteps)
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
         group.attrs.update(attrs)
-        steps = len(timesteps)
-        t = frame_seq_length
-        self.tokens = tokens
-        if tokens:
-            self.logits = group.create_array(
-                "logits",
-                shape=(steps, num_heads, self.num_tokens, self.num_tokens),
-                # Shards (1, 1, T, N) of chunks (1, 1, T, T), each chunk and each shard index
-                # with a crc32c checksum.
-                chunks=(1, 1, t, self.num_tokens),
-                serializer=logits_sharding(t),
-                compressors=None,
-                dtype="float16",
-                fill_value=np.nan,
-                dimension_names=LOGITS_DIMS,
-                attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
-                # Only visible tiles are ever written, so zarr need not test each for all-NaN
-                # (that test costs as much as compressing the tile).
-                config={"write_empty_chunks": True},
-            )
-        # Small (steps x heads x F x F): kept in memory, written whole at close.
-        self.pooled = np.full((steps, num_heads, num_frames, num_frames), np.nan, np.float32)
         self._group = group
-        token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), t)
-        for name, dims, values in (
+        self._create_arrays(group)
+        # Small (steps x heads x F x F): kept in memory, written whole at close.
+        self.pooled = np.full(
+            (self.num_steps, num_heads, num_frames, num_frames), np.nan, np.float32
+        )
+        token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), frame_seq_length)
+        coordinates = [
             ("timestep", ("step",), np.asarray(timesteps, dtype=np.float32)),
             ("pass_kind", ("step",), np.asarray(pass_kinds, dtype=str)),
-            ("query_frame", ("query_token",), token_frame),
-            ("key_frame", ("key_token",), token_frame),
-        ):
+            *self._coordinates(token_frame),
+        ]
+        for name, dims, values in coordinates:
             array = group.create_array(
                 name,
                 shape=values.shape,
@@ -167,9 +165,9 @@ class TokenStoreWriter:
                 compressors=checked_compressors(),
             )
             array[:] = values
-        self.bytes_written = 0  # logical float16 bytes of the visible tiles
+        self.bytes_written = 0  # logical bytes of what the writer thread wrote
         self.write_seconds = 0.0  # time the writer thread spent writing them
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending_rows)
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"zarr-writer {self.path.name}", daemon=True
@@ -177,42 +175,37 @@ class TokenStoreWriter:
         self._thread.start()
         self._closed = False
 
+    def _create_arrays(self, group: zarr.Group) -> None:
+        raise NotImplementedError
+
+    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
+        """The per-token (or per-frame) coordinate arrays: (name, dims, values)."""
+        raise NotImplementedError
+
+    def _write(self, *item) -> None:
+        raise NotImplementedError
+
+    def _finish(self, group: zarr.Group) -> None:
+        """Write what was kept in memory (after the writer thread has finished)."""
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
             if self._error is not None:
-                continue  # drain after a failure; the error surfaces in write_row/close
+                continue  # drain after a failure; the error surfaces in _put/close
             try:
-                self._write(*item)
+                started = time.perf_counter()
+                self.bytes_written += self._write(*item)
+                self.write_seconds += time.perf_counter() - started
             except BaseException as err:
                 self._error = err
 
-    def _write(
-        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
-    ):
-        started = time.perf_counter()
-        t = self.frame_seq_length
-        rows = slice(query_frame * t, (query_frame + 1) * t)
-        # Visible key frames only, one contiguous run at a time (two with sink frames); the
-        # tiles in between are never written and read back as NaN.
-        for first, stop, offset in key_frame_runs(key_frames):
-            width = (stop - first) * t
-            self.logits[step, head, rows, first * t : stop * t] = tile[
-                :, offset * t : offset * t + width
-            ]
-        self.bytes_written += tile.nbytes
-        self.write_seconds += time.perf_counter() - started
-
-    def write_row(
-        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
-    ) -> None:
-        """Queue logits [T, len(key_frames) * T] of one query frame and head against the visible
-        key frames (ascending absolute frames, whole frames)."""
+    def _put(self, item: tuple) -> None:
         if self._error is not None:
             raise RuntimeError(f"writing {self.tmp} failed") from self._error
-        self._queue.put((step, head, query_frame, tile, key_frames))
+        self._queue.put(item)
 
     def write_pooled(
         self, step: int, first_query_frame: int, key_frames: np.ndarray, values: np.ndarray
@@ -241,15 +234,17 @@ class TokenStoreWriter:
             compressors=checked_compressors(),
         )
         pooled[:] = self.pooled
+        self._finish(self._group)
         # Marked only now: a store without `complete` is never accepted downstream.
         mark_complete(
             self.tmp, {"completed_at": datetime.now(UTC).isoformat(timespec="milliseconds")}
         )
         replace(self.tmp, self.path)
         log.info(
-            "%s: %.2f GB of logits written in %.1f s of writer time (%.0f MB/s)",
+            "%s: %.3f GB of %s written in %.1f s of writer time (%.0f MB/s)",
             self.path,
             self.bytes_written / 1e9,
+            self.what,
             self.write_seconds,
             self.bytes_written / 1e6 / max(self.write_seconds, 1e-9),
         )
@@ -264,7 +259,7 @@ class TokenStoreWriter:
             self._thread.join()
         remove(self.tmp)
 
-    def __enter__(self) -> TokenStoreWriter:
+    def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -272,3 +267,140 @@ class TokenStoreWriter:
             self.close()
         else:
             self.abort()
+
+
+class TokenStoreWriter(_StoreWriter):
+    """Writes one layer's logits rows (one query frame x all key tokens) from a background thread.
+
+    Each row is one zarr shard (1, 1, T, N), written by this one writer only; inner (T, T) chunks
+    of keys the query frame cannot see are never written (they read back as NaN). With
+    `tokens=False` only the pooled frame-level mean logits are stored.
+    """
+
+    what = "float16 logits"
+
+    def __init__(self, path: str | Path, *, tokens: bool = True, max_pending_rows: int = 2, **kw):
+        self.tokens = tokens
+        super().__init__(path, max_pending=max_pending_rows, **kw)
+
+    def _create_arrays(self, group: zarr.Group) -> None:
+        if not self.tokens:
+            return
+        t, n = self.frame_seq_length, self.num_tokens
+        self.logits = group.create_array(
+            "logits",
+            shape=(self.num_steps, self.num_heads, n, n),
+            # Shards (1, 1, T, N) of chunks (1, 1, T, T), each chunk and each shard index with a
+            # crc32c checksum.
+            chunks=(1, 1, t, n),
+            serializer=logits_sharding(t),
+            compressors=None,
+            dtype="float16",
+            fill_value=np.nan,
+            dimension_names=LOGITS_DIMS,
+            attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
+            # Only visible tiles are ever written, so zarr need not test each for all-NaN (that
+            # test costs as much as compressing the tile).
+            config={"write_empty_chunks": True},
+        )
+
+    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
+        return [
+            ("query_frame", ("query_token",), token_frame),
+            ("key_frame", ("key_token",), token_frame),
+        ]
+
+    def _write(
+        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+    ) -> int:
+        t = self.frame_seq_length
+        rows = slice(query_frame * t, (query_frame + 1) * t)
+        # Visible key frames only, one contiguous run at a time (two with sink frames); the
+        # tiles in between are never written and read back as NaN.
+        for first, stop, offset in key_frame_runs(key_frames):
+            width = (stop - first) * t
+            self.logits[step, head, rows, first * t : stop * t] = tile[
+                :, offset * t : offset * t + width
+            ]
+        return tile.nbytes
+
+    def write_row(
+        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+    ) -> None:
+        """Queue logits [T, len(key_frames) * T] of one query frame and head against the visible
+        key frames (ascending absolute frames, whole frames)."""
+        self._put((step, head, query_frame, tile, key_frames))
+
+
+class AttentionStoreWriter(_StoreWriter):
+    """Writes one layer's attention store (docs/DESIGN.md, Contract 4): per pass, head and query
+    frame the mean softmax probability of every key token (`key_mass`) and the mean row entropy.
+
+    `key_mass` is chunked (1, heads, frames_per_block, N), so one pass call of one block is one
+    whole chunk, queued to the background thread; `entropy` is small and written at close.
+    """
+
+    what = "float32 key mass"
+
+    def __init__(self, path: str | Path, *, frames_per_block: int, **kw):
+        self.frames_per_block = frames_per_block
+        super().__init__(path, **kw)
+        self.entropy = np.full(
+            (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
+        )
+
+    def _create_arrays(self, group: zarr.Group) -> None:
+        self.key_mass = group.create_array(
+            "key_mass",
+            shape=(self.num_steps, self.num_heads, self.num_frames, self.num_tokens),
+            chunks=(1, self.num_heads, self.frames_per_block, self.num_tokens),
+            compressors=key_mass_compressors(),
+            dtype="float32",
+            fill_value=np.nan,
+            dimension_names=KEY_MASS_DIMS,
+            attributes={"coordinates": "timestep pass_kind key_frame"},
+        )
+
+    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
+        frames = np.arange(self.num_frames, dtype=np.int32)
+        return [
+            ("query_frame", ("query_frame",), frames),
+            ("key_frame", ("key_token",), token_frame),
+        ]
+
+    def _write(self, step: int, first_query_frame: int, rows: np.ndarray) -> int:
+        queries = slice(first_query_frame, first_query_frame + rows.shape[2])
+        self.key_mass[step : step + 1, :, queries, :] = rows
+        return rows.nbytes
+
+    def write_block(
+        self,
+        step: int,
+        first_query_frame: int,
+        key_frames: np.ndarray,
+        key_mass: np.ndarray,
+        entropy: np.ndarray,
+    ) -> None:
+        """key_mass [heads, query frames, len(key_frames) * T] against the visible key frames
+        (ascending absolute frames, whole frames) and entropy [heads, query frames] of one pass
+        call; the rows are spread onto all N key tokens (NaN where not visible) and queued."""
+        t = self.frame_seq_length
+        heads, frames, _ = key_mass.shape
+        rows = np.full((1, heads, frames, self.num_tokens), np.nan, np.float32)
+        for first, stop, offset in key_frame_runs(key_frames):
+            rows[0, :, :, first * t : stop * t] = key_mass[
+                :, :, offset * t : offset * t + (stop - first) * t
+            ]
+        self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
+        self._put((step, first_query_frame, rows))
+
+    def _finish(self, group: zarr.Group) -> None:
+        entropy = group.create_array(
+            "entropy",
+            shape=self.entropy.shape,
+            dtype="float32",
+            fill_value=np.nan,
+            dimension_names=KEY_MASS_DIMS[:3],
+            compressors=checked_compressors(),
+        )
+        entropy[:] = self.entropy

@@ -1,0 +1,285 @@
+"""The survey capture and the attention store (Contract 4) against float64 brute force from the
+model's own q and k, and against the token path (Contract 1) of the same rollout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from sinkscope.analysis.reduce import (
+    open_frame_dataset,
+    reduce_attention_store,
+    reduce_token_store,
+)
+from sinkscope.extraction.capture import LogitCapture, softmax_reductions
+from sinkscope.extraction.job import extract
+from sinkscope.extraction.sampling import SELF_FORCING, rollout
+from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter, partial_path
+from sinkscope.frames import (
+    attention_store_bytes,
+    attention_store_disk_bytes,
+    block_starts,
+    token_store_bytes,
+    visible_frames,
+)
+from sinkscope.passes import resolve_passes
+from sinkscope.wan.checkpoint import save_wan_model
+from sinkscope.wan.config import WanConfig
+from sinkscope.wan.demo import DEMO_MODEL
+from sinkscope.wan.text import save_prompt_embedding
+
+from .conftest import TINY, TINY_GEOMETRY, make_tiny_model
+from .test_capture import STORE_ATTRS, T, _roped
+from .test_reduce import brute_force
+
+
+def _brute_softmax(q: np.ndarray, k: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """float64 softmax rows of q [R, D] against k [M, D]: (mean probability per key, entropies)."""
+    logits = (q @ k.T) * scale
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    return p.mean(axis=0), -(p * np.log(p)).sum(axis=1)
+
+
+@pytest.mark.parametrize("row_chunk", [None, 1, 7, 64])
+def test_softmax_reductions_equal_float64_brute_force(row_chunk):
+    g = torch.Generator().manual_seed(3)
+    # Logits up to ~60: exp without the max shift would overflow float32 (e^88).
+    q = torch.randn(50, 16, generator=g) * 6
+    k = torch.randn(300, 16, generator=g) * 6
+    key_mass, entropy = softmax_reductions(q, k, 0.25, row_chunk)
+    expected_mass, expected_entropy = _brute_softmax(q.double().numpy(), k.double().numpy(), 0.25)
+    assert key_mass.dtype == torch.float32 and key_mass.shape == (300,)
+    np.testing.assert_allclose(key_mass.numpy(), expected_mass, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(entropy.numpy(), expected_entropy, rtol=0, atol=1e-5)
+    assert abs(float(key_mass.sum()) - 1) < 1e-5
+    assert expected_entropy.min() < 0.5 < expected_entropy.max()  # peaked and flat rows both
+
+
+def _capture(model, text, path, layer, *, store, local_attn_size, sink_size):
+    """Roll out capturing one layer into a store of kind `store`, recording its q and k."""
+    records = []
+    attn = model.blocks[layer].self_attn
+    handles = [
+        attn.norm_q.register_forward_hook(lambda m, a, out: records.append(["q", out.clone()])),
+        attn.norm_k.register_forward_hook(lambda m, a, out: records.append(["k", out.clone()])),
+    ]
+    common = dict(
+        num_heads=TINY.num_heads,
+        num_frames=TINY_GEOMETRY.num_frames,
+        frame_seq_length=T,
+        timesteps=SELF_FORCING.pass_timesteps(),
+        pass_kinds=SELF_FORCING.pass_kinds(),
+        attrs={**STORE_ATTRS, "layer": layer},
+    )
+    if store == "attention":
+        writer = AttentionStoreWriter(
+            path, frames_per_block=TINY_GEOMETRY.frames_per_block, **common
+        )
+    else:
+        writer = TokenStoreWriter(path, **common)
+    # Small row chunks, so that a tile takes several of them.
+    capture = LogitCapture({layer: writer}, resolve_passes("all", 4), T, TINY.head_dim, 4)
+    model.set_capture(capture, {layer})
+    with writer:
+        rollout(
+            model,
+            text,
+            geometry=TINY_GEOMETRY,
+            local_attn_size=local_attn_size,
+            sink_size=sink_size,
+            seed=2,
+            on_pass=capture.begin_pass,
+            progress=False,
+        )
+    model.set_capture(None)
+    for h in handles:
+        h.remove()
+    qs = [r[1][0] for r in records if r[0] == "q"]
+    ks = [r[1][0] for r in records if r[0] == "k"]
+    return list(zip(qs, ks, strict=True))
+
+
+def _brute_attention(calls, local_attn_size, sink_size):
+    """key_mass [5, H, F, N] and entropy [5, H, F] in float64 from the recorded q and k."""
+    sizes = TINY_GEOMETRY.block_sizes
+    seen = visible_frames(sizes, local_attn_size, sink_size)
+    num_frames = TINY_GEOMETRY.num_frames
+    heads = TINY.num_heads
+    key_mass = np.full((5, heads, num_frames, num_frames * T), np.nan)
+    entropy = np.full((5, heads, num_frames), np.nan)
+    clean_keys = {}
+    scale = 1 / math.sqrt(TINY.head_dim)
+    for block, start in enumerate(block_starts(sizes)):
+        start, size = int(start), sizes[block]
+        for step in range(5):
+            q_raw, k_raw = calls[block * 5 + step]
+            q = _roped(q_raw, start, size)
+            roped_k = _roped(k_raw, start, size)
+            keys = dict(clean_keys)
+            keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
+            for i in range(size):
+                frame = start + i
+                visible = np.flatnonzero(seen[frame])
+                k_all = np.concatenate([keys[f] for f in visible])
+                columns = np.concatenate([np.arange(f * T, (f + 1) * T) for f in visible])
+                for head in range(heads):
+                    mass, entropies = _brute_softmax(
+                        q[i * T : (i + 1) * T, head], k_all[:, head], scale
+                    )
+                    key_mass[step, head, frame, columns] = mass
+                    entropy[step, head, frame] = entropies.mean()
+            if step == 4:
+                clean_keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
+    return key_mass, entropy
+
+
+@pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 1)], ids=["full", "sink"])
+def test_both_stores_reduce_to_the_float64_brute_force(
+    tmp_path, tiny_model, tiny_text, local_attn_size, sink_size
+):
+    window = dict(local_attn_size=local_attn_size, sink_size=sink_size)
+    attention, tokens = tmp_path / "attention.zarr", tmp_path / "tokens.zarr"
+    calls = _capture(tiny_model, tiny_text, attention, 1, store="attention", **window)
+    _capture(make_tiny_model(), tiny_text, tokens, 1, store="tokens", **window)
+    key_mass, entropy = _brute_attention(calls, **window)
+
+    stored = xr.open_zarr(attention)  # plain xarray opens Contract 4
+    assert stored.key_mass.dims == ("step", "head", "query_frame", "key_token")
+    np.testing.assert_array_equal(np.isnan(stored.key_mass.values), np.isnan(key_mass))
+    np.testing.assert_allclose(stored.key_mass.values, key_mass, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(stored.entropy.values, entropy, rtol=0, atol=1e-5)
+
+    reduce_attention_store(attention, tmp_path / "a_frames.zarr")
+    reduce_token_store(tokens, tmp_path / "t_frames.zarr")
+    from_attention = open_frame_dataset(tmp_path / "a_frames.zarr")
+    from_tokens = open_frame_dataset(tmp_path / "t_frames.zarr")
+    assert from_attention.attrs["store"] == "attention" and from_tokens.attrs["store"] == "tokens"
+
+    num_frames = TINY_GEOMETRY.num_frames
+    prob_mass = key_mass.reshape(5, TINY.num_heads, num_frames, num_frames, T).sum(axis=-1)
+    np.testing.assert_allclose(from_attention.prob_mass.values, prob_mass, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(from_attention.entropy.values, entropy, rtol=0, atol=1e-5)
+    # The token path against a float64 brute force over its own (float16) logits.
+    logits = xr.open_zarr(tokens).logits.values.astype(np.float64)
+    expected = brute_force(logits, T)
+    for name in ("prob_mass", "entropy"):
+        np.testing.assert_allclose(from_tokens[name].values, expected[name], rtol=0, atol=1e-5)
+    # Both paths, one rollout: probabilities within float16 rounding, logit_mean identical.
+    for name in ("prob_mass", "entropy"):
+        np.testing.assert_allclose(
+            from_attention[name].values, from_tokens[name].values, rtol=0, atol=2e-3
+        )
+    np.testing.assert_array_equal(from_attention.logit_mean.values, from_tokens.logit_mean.values)
+    if sink_size:
+        seen = visible_frames(TINY_GEOMETRY.block_sizes, **window)
+        assert not seen[5].all() and seen[5, 0]  # the window really evicts, the sink stays
+        assert (np.isnan(from_attention.prob_mass.values) == ~seen[None, None]).all()
+
+
+def _demo_inputs(tmp_path):
+    cfg = WanConfig.from_dict(DEMO_MODEL, source="demo model")
+    base = tmp_path / "demo"
+    save_wan_model(make_tiny_model(seed=1, cfg=cfg), base)
+    prompt = tmp_path / "prompt.safetensors"
+    g = torch.Generator().manual_seed(1)
+    embeds = torch.randn(cfg.text_len, cfg.text_dim, generator=g)
+    save_prompt_embedding(prompt, embeds, prompt="a demo prompt", length=12)
+    settings = {
+        "checkpoint": {"base": str(base)},
+        "sampler": {
+            "steps": [1000, 750, 500, 250],
+            "shift": 5.0,
+            "warp": True,
+            "local_attn_size": -1,
+            "sink_size": 0,
+        },
+        # The embedded default's geometry (config.yaml).
+        "video": {"num_frames": 21, "frames_per_block": 3, "latent_height": 8, "latent_width": 12},
+        "capture": {"passes": "all"},
+        "seed": 42,
+        "device": "cpu",
+    }
+    return prompt, settings
+
+
+def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
+    prompt, settings = _demo_inputs(tmp_path)
+    common = dict(
+        checkpoint_name="demo_a",
+        prompt_name="p",
+        prompt_embeddings=prompt,
+        settings=settings,
+        progress=False,
+    )
+    layers = [0, 2]
+    extract(layers=layers, outputs=[tmp_path / f"t/layer{i}.zarr" for i in layers], **common)
+    extract(
+        layers=layers,
+        outputs=[tmp_path / f"a/layer{i}.zarr" for i in layers],
+        store="attention",
+        **common,
+    )
+    for layer in layers:
+        reduce_token_store(tmp_path / f"t/layer{layer}.zarr", tmp_path / f"tf{layer}.zarr")
+        reduce_attention_store(tmp_path / f"a/layer{layer}.zarr", tmp_path / f"af{layer}.zarr")
+        tokens = open_frame_dataset(tmp_path / f"tf{layer}.zarr")
+        attention = open_frame_dataset(tmp_path / f"af{layer}.zarr")
+        for name in ("prob_mass", "entropy"):
+            a, t = attention[name].values, tokens[name].values
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(t))
+            assert np.nanmax(np.abs(a - t)) <= 2e-3, (layer, name, np.nanmax(np.abs(a - t)))
+        np.testing.assert_array_equal(attention.logit_mean.values, tokens.logit_mean.values)
+        # The same Contract 2 but for the store each came from.
+        assert set(attention.variables) == set(tokens.variables)
+        per_job = {"store", "tokens", "started_at", "completed_at", "gpu", "attributes_crc32"}
+        assert {k: v for k, v in attention.attrs.items() if k not in per_job} == {
+            k: v for k, v in tokens.attrs.items() if k not in per_job
+        }
+        # The rollout's attention is far from uniform (else any two reductions would agree).
+        assert np.nanmax(attention.prob_mass.values) > 0.2
+
+
+def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path):
+    # Real geometry: 21 frames of 1560 tokens, 12 heads, 5 passes.
+    raw = attention_store_bytes(num_passes=5, num_heads=12, num_frames=21, frame_seq_length=1560)
+    tokens = token_store_bytes(
+        num_passes=5,
+        num_heads=12,
+        frame_seq_length=1560,
+        sizes=[3] * 7,
+        local_attn_size=-1,
+        sink_size=0,
+    )
+    assert raw == 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 21 * 21) * 4
+    assert raw / tokens < 0.005
+    # The bound holds for incompressible key mass on a small geometry.
+    writer = AttentionStoreWriter(
+        tmp_path / "s.zarr",
+        num_heads=2,
+        num_frames=5,
+        frame_seq_length=8,
+        frames_per_block=2,
+        timesteps=[1000.0, 0.0],
+        pass_kinds=["denoise", "cache"],
+        attrs={"layer": 0},
+    )
+    rng = np.random.default_rng(0)
+    with writer:
+        for step in range(2):
+            for start, size in zip(block_starts([2, 2, 1]), [2, 2, 1], strict=True):
+                start = int(start)
+                keys = np.arange(start + size)
+                mass = rng.random((2, size, len(keys) * 8)).astype(np.float32)
+                writer.write_block(step, start, keys, mass, rng.random((2, size)))
+    used = sum(p.stat().st_size for p in (tmp_path / "s.zarr").rglob("*") if p.is_file())
+    bound = attention_store_disk_bytes(
+        num_passes=2, num_heads=2, num_frames=5, frame_seq_length=8, frames_per_block=2
+    )
+    assert 0 < used <= bound
+    assert not partial_path(tmp_path / "s.zarr").exists()
