@@ -47,11 +47,19 @@ rule all:
     default_target: True
     input:
         expand(
+            "results/logits/{checkpoint}/{prompt}/layer{layer}.zarr",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+            layer=TOKEN_LAYERS if KEEP_TOKENS else [],
+        ),
+        expand(
+            "results/attention/{checkpoint}/{prompt}/layer{layer}.zarr",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+            layer=SURVEY_LAYERS,
+        ),
+        expand(
             [
-                *(
-                    ["results/logits/{checkpoint}/{prompt}/layer{layer}.zarr"]
-                    * KEEP_TOKENS
-                ),
                 "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
                 "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
             ],
@@ -63,8 +71,8 @@ rule all:
         "results/stats/summary.html",
         "results/stats/sink_rate.csv",
         expand(
-            [figure.path for figure in RUN_FIGURES],
+            [figure.path for figure in RUN_FIGURES + SURVEY_FIGURES],
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
         ),
-        [figure.path for figure in COMPARE_FIGURES],
+        [figure.path for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES],

@@ -2,13 +2,18 @@
 import re
 
 from sinkscope.analysis.figures import compare_figures, run_figures
+from sinkscope.analysis.figures import survey_compare_figures
+from sinkscope.analysis.figures import survey_figures as survey_figure_files
 from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.entries import (
     ConfigError,
     checkpoint_inputs,
     demo_text_encoder_dir,
+    frame_layers,
     is_demo_checkpoint,
     prompt_text,
+    survey_layers,
+    token_layers,
 )
 from sinkscope.workflow.params import (
     canonical,
@@ -24,6 +29,7 @@ from sinkscope.workflow.resources import (
     extract_mem_mb,
     extract_runtime,
     reduce_runtime,
+    survey_runtime,
 )
 
 try:
@@ -33,19 +39,34 @@ except ConfigError as err:
 
 CHECKPOINTS = list(config["checkpoints"])
 PROMPTS = list(config["prompts"])
-LAYERS = sorted(config["layers"])
+# Token stores (`layers`, one extraction job each), attention stores (`capture.survey`, one
+# survey job per checkpoint and prompt), and every layer with a frame dataset and statistics.
+TOKEN_LAYERS = token_layers(config)
+SURVEY_LAYERS = survey_layers(config)
+LAYERS = frame_layers(config)
+# Frame datasets of surveyed layers come from their attention stores, the others' from tokens.
+TOKEN_REDUCED_LAYERS = [layer for layer in TOKEN_LAYERS if layer not in SURVEY_LAYERS]
 DEMO_CHECKPOINTS = list(config["demo"]["checkpoints"])
 # The layers of figures.heads: what figure4 and the compare figures show.
 HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
 # Figure files from the registry; run figures keep {checkpoint} and {prompt} as wildcards.
+# Per-layer and per-run figures show the token layers (the ones zoomed into); figure4 and the
+# compare figures the layers of figures.heads; the survey figures every surveyed layer.
 RUN_FIGURES = run_figures(
     "results/figures/{checkpoint}/{prompt}",
-    LAYERS,
+    TOKEN_LAYERS,
     HEAD_LAYERS,
     config["figures"]["format"],
 )
+RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
+SURVEY_FIGURES = survey_figure_files(
+    "results/figures/{checkpoint}/{prompt}", SURVEY_LAYERS, config["figures"]["format"]
+)
+SURVEY_COMPARE_FIGURES = survey_compare_figures(
+    "results/figures/compare", SURVEY_LAYERS, config["figures"]["format"]
+)
 COMPARE_FIGURES = compare_figures(
-    "results/figures/compare", LAYERS, HEAD_LAYERS, config["figures"]["format"]
+    "results/figures/compare", TOKEN_LAYERS, HEAD_LAYERS, config["figures"]["format"]
 )
 
 

@@ -1,5 +1,6 @@
-# Checkpoint + prompt embeddings -> token store of one layer (Contract 1). A checkpoint's sha256
-# (in params, cached per file change) decides reruns, not its files' mtime.
+# Checkpoint + prompt embeddings -> token store of one layer (Contract 1), or attention stores of
+# every surveyed layer from one rollout (Contract 4). A checkpoint's sha256 (in params, cached per
+# file change) decides reruns, not its files' mtime.
 
 
 rule extract:
@@ -21,3 +22,34 @@ rule extract:
         settings=lambda wildcards: extraction_settings(config, wildcards.checkpoint),
     script:
         "../scripts/extract.py"
+
+
+if SURVEY_LAYERS:
+
+    rule survey:
+        input:
+            checkpoint=checkpoint_files_input,
+            prompt="results/prompts/{prompt}.safetensors",
+        output:
+            [
+                directory(
+                    f"results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr"
+                )
+                for layer in SURVEY_LAYERS
+            ],
+        log:
+            "results/logs/survey/{checkpoint}/{prompt}.log",
+        conda:
+            "../envs/extract.yaml"
+        threads: 1
+        resources:
+            gpu=extraction_gpus(config),
+            mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
+            runtime=lambda wildcards: survey_runtime(config, wildcards.checkpoint),
+        params:
+            layers=SURVEY_LAYERS,
+            settings=lambda wildcards: extraction_settings(
+                config, wildcards.checkpoint, store="attention"
+            ),
+        script:
+            "../scripts/survey.py"

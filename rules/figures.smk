@@ -6,9 +6,9 @@
 
 rule figures:
     input:
-        expand(
+        frames=expand(
             "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
-            layer=LAYERS,
+            layer=RUN_FIGURE_LAYERS,
         ),
     output:
         [
@@ -33,7 +33,7 @@ rule figures:
 
 rule compare_figures:
     input:
-        expand(
+        frames=expand(
             "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
@@ -58,3 +58,70 @@ rule compare_figures:
         figures=canonical(config["figures"]),
     script:
         "../scripts/figures.py"
+
+
+if SURVEY_LAYERS:
+
+    rule survey_figures:
+        input:
+            frames=expand(
+                "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
+                layer=SURVEY_LAYERS,
+            ),
+            attention=expand(
+                "results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
+                layer=SURVEY_LAYERS,
+            ),
+        output:
+            [
+                report(
+                    figure.path,
+                    caption=f"../report/{figure.kind.caption}",
+                    category="Figures",
+                    subcategory="{checkpoint} / {prompt}",
+                    labels=figure.labels,
+                )
+                for figure in SURVEY_FIGURES
+            ],
+        log:
+            "results/logs/figures/{checkpoint}/{prompt}.survey.log",
+        conda:
+            "../envs/analysis.yaml"
+        params:
+            figures=canonical(config["figures"]),
+            stats=canonical(config["stats"]),
+        script:
+            "../scripts/figures.py"
+
+    rule compare_survey_figures:
+        input:
+            frames=expand(
+                "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
+                checkpoint=CHECKPOINTS,
+                prompt=PROMPTS,
+                layer=SURVEY_LAYERS,
+            ),
+        output:
+            [
+                report(
+                    figure.path,
+                    caption=f"../report/{figure.kind.caption}",
+                    category="Figures",
+                    subcategory="across checkpoints and prompts",
+                    labels=figure.labels,
+                )
+                for figure in SURVEY_COMPARE_FIGURES
+            ],
+        log:
+            "results/logs/figures/compare.survey.log",
+        conda:
+            "../envs/analysis.yaml"
+        params:
+            figures=canonical(config["figures"]),
+            stats=canonical(config["stats"]),
+        script:
+            "../scripts/figures.py"
+
+    localrules:
+        survey_figures,
+        compare_survey_figures,

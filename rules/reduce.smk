@@ -1,4 +1,5 @@
-# Token store -> frame dataset (Contract 2).
+# Token store -> frame dataset (Contract 2), one job per layer; the attention stores of one
+# survey -> the frame datasets of every surveyed layer, in one short job.
 
 
 rule reduce:
@@ -8,6 +9,8 @@ rule reduce:
         directory("results/frames/{checkpoint}/{prompt}/layer{layer}.zarr"),
     log:
         "results/logs/reduce/{checkpoint}/{prompt}/layer{layer}.log",
+    wildcard_constraints:
+        layer=one_of(map(str, TOKEN_REDUCED_LAYERS)),
     conda:
         "../envs/analysis.yaml"
     threads: 1
@@ -16,3 +19,31 @@ rule reduce:
         runtime=lambda wildcards: reduce_runtime(config, wildcards.checkpoint),
     script:
         "../scripts/reduce.py"
+
+
+if SURVEY_LAYERS:
+
+    rule reduce_attention:
+        input:
+            expand(
+                "results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
+                layer=SURVEY_LAYERS,
+            ),
+        output:
+            [
+                directory(
+                    f"results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr"
+                )
+                for layer in SURVEY_LAYERS
+            ],
+        log:
+            "results/logs/reduce_attention/{checkpoint}/{prompt}.log",
+        conda:
+            "../envs/analysis.yaml"
+        threads: 1
+        script:
+            "../scripts/reduce_attention.py"
+
+    # Reading a few MB per layer: not worth a cluster job.
+    localrules:
+        reduce_attention,

@@ -1,13 +1,16 @@
-# Frame datasets -> tidy statistics (Contract 3); the summary table goes into the report.
+# Frame datasets -> tidy statistics (Contract 3), one job per run (every layer: seconds); the
+# summary table goes into the report.
 
 
 rule stats:
     input:
-        "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
+        expand(
+            "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr", layer=LAYERS
+        ),
     output:
-        "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+        expand("results/stats/{{checkpoint}}/{{prompt}}/layer{layer}.csv", layer=LAYERS),
     log:
-        "results/logs/stats/{checkpoint}/{prompt}/layer{layer}.log",
+        "results/logs/stats/{checkpoint}/{prompt}.log",
     conda:
         "../envs/analysis.yaml"
     params:

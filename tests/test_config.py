@@ -16,7 +16,13 @@ from snakemake.utils import validate
 from sinkscope.wan.spec import CheckpointSpec
 from sinkscope.workflow import entries
 from sinkscope.workflow.checks import check_config
-from sinkscope.workflow.entries import ConfigError, checkpoint_spec
+from sinkscope.workflow.entries import (
+    ConfigError,
+    checkpoint_spec,
+    frame_layers,
+    survey_layers,
+    token_layers,
+)
 from sinkscope.workflow.params import extraction_settings
 
 from .workflowtools import REPO
@@ -69,7 +75,10 @@ def test_schema_refuses(change, message):
             "checkpoints.real: checkpoint file not found: weights/missing/config.json",
         ),
         (lambda c: c.update(layers=[0, 7]), "layers: [7] out of range for checkpoint 'demo_a'"),
-        (lambda c: c["figures"].update(heads=[[1, 0]]), "figures.heads: layer 1 is not captured"),
+        (
+            lambda c: (c["capture"].update(survey=[2]), c["figures"].update(heads=[[1, 0]])),
+            "figures.heads: layer 1 is not captured; add it to layers [0, 2] or to capture.survey",
+        ),
         (lambda c: c["figures"].update(heads=[[0, 4]]), "figures.heads: head 4 out of range"),
         (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
         (lambda c: c["sampler"].update(sink_size=1), "sampler.sink_size needs a window"),
@@ -102,10 +111,21 @@ def test_schema_refuses(change, message):
         (lambda c: c["figures"].update(step=5), "figures.step=5 but only 5 passes"),
         (
             lambda c: (
-                c["capture"].update(tokens=False),
+                c["capture"].update(tokens=False, survey=[2]),
                 c["figures"].update(measure="probabilities"),
             ),
-            "figures.measure: probabilities need the token logits",
+            "figures.measure: probabilities need the token logits or a survey; with "
+            "capture.tokens: false layers [0] of figures.heads",
+        ),
+        (lambda c: c["capture"].update(survey=[1, 4]), "capture.survey: [4] out of range"),
+        (
+            lambda c: (c.update(layers=[]), c["capture"].update(survey="none")),
+            "layers is empty and capture.survey is none: nothing to capture",
+        ),
+        (
+            lambda c: c["capture"].update(keep_tokens=False),
+            "capture.keep_tokens: false deletes a token store once it is reduced, but layers "
+            "[0, 2] are also surveyed",
         ),
         (
             lambda c: c["checkpoints"]["demo_a"].update(generator="x.pt"),
@@ -129,6 +149,9 @@ def test_schema_refuses(change, message):
         "bad-pass",
         "figure-step",
         "probabilities-without-tokens",
+        "survey-out-of-range",
+        "nothing-captured",
+        "temporary-token-stores-of-surveyed-layers",
         "demo-with-generator",
     ],
 )
@@ -171,3 +194,39 @@ def test_a_new_checkpoint_key_changes_params_and_reaches_the_loader(monkeypatch,
     )
     # What the job rebuilds from its params is the same spec.
     assert SpecWithRevision.from_entry(after["checkpoint"]) == checkpoint_spec(config, "demo_a")
+
+
+def test_survey_layers_token_layers_and_frame_layers():
+    config = checked()  # the demo: survey all 4 layers, token stores for 0 and 2
+    assert survey_layers(config) == [0, 1, 2, 3] and token_layers(config) == [0, 2]
+    assert frame_layers(config) == [0, 1, 2, 3]
+    only_tokens = checked(lambda c: c["capture"].update(survey="none"))
+    assert survey_layers(only_tokens) == [] and frame_layers(only_tokens) == [0, 2]
+    survey_only = checked(lambda c: (c.update(layers=[]), c["capture"].update(survey=[3, 2, 0])))
+    assert frame_layers(survey_only) == [0, 2, 3] and token_layers(survey_only) == []
+    # Empty layers are fine with a survey, and keep_tokens: false too when nothing overlaps.
+    checked(lambda c: (c.update(layers=[1]), c["capture"].update(survey=[0, 2], keep_tokens=False)))
+
+
+def test_survey_all_needs_checkpoints_of_one_depth(monkeypatch):
+    real = entries.model_config
+
+    def deeper_b(config, name):
+        model = real(config, name)
+        return dataclasses.replace(model, num_layers=6) if name == "demo_b" else model
+
+    monkeypatch.setattr(entries, "model_config", deeper_b)
+    with pytest.raises(ConfigError, match=r"capture\.survey: all needs checkpoints with the same"):
+        checked()
+    assert survey_layers(checked(lambda c: c["capture"].update(survey=[0, 3]))) == [0, 3]
+
+
+def test_survey_params_do_not_depend_on_capture_tokens(tmp_path):
+    config = checked()
+    cache = tmp_path / "sha.json"
+    survey = extraction_settings(config, "demo_a", cache, store="attention")
+    tokens = extraction_settings(config, "demo_a", cache)
+    assert "tokens" not in survey["capture"] and tokens["capture"]["tokens"] is True
+    config["capture"]["tokens"] = False
+    assert extraction_settings(config, "demo_a", cache, store="attention") == survey
+    assert extraction_settings(config, "demo_a", cache) != tokens

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from .workflowtools import demo_copy, snakemake
@@ -78,3 +79,41 @@ def test_a_killed_job_reruns_to_a_clean_run(demo_run, tmp_path, target, point):
     rerun = result_files(workdir)
     assert rerun.keys() == clean.keys()
     assert [name for name in clean if rerun[name] != clean[name]] == []
+
+
+@pytest.mark.parametrize("point", ["mid-write", "before-rename"])
+def test_a_killed_survey_reruns_to_the_same_attention(demo_run, tmp_path, point):
+    """The survey writes every layer's attention store in one job: killed mid-write or with all
+    stores whole but the first not yet renamed, it leaves no store, and the rerun writes the same
+    arrays (its attributes hold new timestamps)."""
+    import xarray as xr
+
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    target = "results/attention/demo_a/eagle/layer0.zarr"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
+        "SINKSCOPE_KILL_AT": point,
+    }
+    killed = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", target, "--forcerun", target],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    stores = sorted((workdir / "results/attention/demo_a/eagle").glob("layer*.zarr"))
+    assert stores == [], "a killed survey left a store"
+    snakemake(workdir, "--unlock")
+    snakemake(workdir)  # a plain rerun
+    assert not [p for p in (workdir / "results").rglob("*") if p.name.endswith(".partial")]
+    for layer in range(4):
+        name = f"attention/demo_a/eagle/layer{layer}.zarr"
+        rerun = xr.open_zarr(workdir / "results" / name)
+        clean = xr.open_zarr(demo_run / "results" / name)
+        assert rerun.attrs["complete"] is True
+        for variable in ("key_mass", "entropy", "logit_mean_pooled"):
+            np.testing.assert_array_equal(rerun[variable].values, clean[variable].values)

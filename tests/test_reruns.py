@@ -25,6 +25,7 @@ def small_config(config: dict) -> None:
     config["checkpoints"] = {"mine": {"base": "weights/mine"}, "broken": {"base": "weights/broken"}}
     config["prompts"] = {"eagle": config["prompts"]["eagle"]}
     config["layers"] = [0]
+    config["capture"]["survey"] = "none"  # token stores only: extract -> reduce
     config["figures"]["heads"] = [[0, 0]]
 
 

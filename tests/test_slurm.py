@@ -14,7 +14,7 @@ import yaml
 from snakemake.utils import validate
 
 from sinkscope.workflow.entries import checkpoint_inputs
-from sinkscope.workflow.resources import extract_mem_mb, extract_runtime
+from sinkscope.workflow.resources import extract_mem_mb, extract_runtime, survey_runtime
 
 from .slurmcluster import one_node_cluster, skip_unless_slurm
 from .workflowtools import copy_workflow, snakemake
@@ -22,7 +22,9 @@ from .workflowtools import copy_workflow, snakemake
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
 pytestmark = pytest.mark.workflow
 
-SBATCH_RULES = {"encode_prompt", "extract", "reduce"}
+# The demo surveys every layer, so its frame datasets come from the survey (reduce_attention
+# runs locally) and rule reduce has nothing to do.
+SBATCH_RULES = {"encode_prompt", "extract", "survey"}
 RUNS = [
     (c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0, 2)
 ]
@@ -77,7 +79,8 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     rules = by_rule(records)
     assert set(rules) == SBATCH_RULES  # stats, figures, summary... ran locally
     assert len(rules["extract"]) == len(RUNS) and len(rules["encode_prompt"]) == 2
-    for record in rules["extract"] + rules["encode_prompt"]:
+    assert len(rules["survey"]) == 4  # one per checkpoint and prompt, every layer at once
+    for record in rules["extract"] + rules["encode_prompt"] + rules["survey"]:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record
     # Memory and time as the rule computed them from the sizes (sinkscope.workflow.resources),
@@ -90,17 +93,25 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
         input_mb = sum((workdir / path).stat().st_size for path in inputs) / 1e6
         assert record["MinMemoryNode"] == f"{extract_mem_mb(input_mb)}M"
         assert record["TimeLimit"] == f"00:{extract_runtime(config, checkpoint):02d}:00"
-    for record in rules["reduce"]:
-        assert "gpu" not in record.get("TresPerJob", "") + record.get("JOB_GRES", "")
-        assert record["MinMemoryNode"] == "3000M"
+    for record in rules["survey"]:
+        checkpoint, prompt = record["Comment"].split("_wildcards_")[1].rsplit("_", 1)
+        inputs = [*checkpoint_inputs(config, checkpoint), f"results/prompts/{prompt}.safetensors"]
+        input_mb = sum((workdir / path).stat().st_size for path in inputs) / 1e6
+        assert record["MinMemoryNode"] == f"{extract_mem_mb(input_mb)}M"
+        assert record["TimeLimit"] == f"00:{survey_runtime(config, checkpoint):02d}:00"
     # Each store was written by a SLURM job, on the GPU its allocation made visible.
     extract_jobs = {record["JobId"] for record in rules["extract"]}
+    survey_jobs = {record["JobId"] for record in rules["survey"]}
     for checkpoint, prompt, layer in RUNS:
         tokens = xr.open_zarr(workdir / f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")
         gpu = tokens.attrs["gpu"]
         assert gpu["claimed_by"] == "slurm" and gpu["slurm_job_id"] in extract_jobs
         # The one GPU SLURM made visible to the job, as the job's environment named it.
         assert gpu["visible_id"] == gpu["cuda_visible_devices"] and gpu["visible_id"] in {"0", "1"}
+        survey = xr.open_zarr(
+            workdir / f"results/attention/{checkpoint}/{prompt}/layer{layer}.zarr"
+        )
+        assert survey.attrs["gpu"]["slurm_job_id"] in survey_jobs
 
 
 def test_slurm_results_equal_a_local_run(slurm_run, demo_run):

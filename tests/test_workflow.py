@@ -34,6 +34,13 @@ def test_demo_produces_every_contract(demo_run):
                 np.testing.assert_allclose(mass, 1.0, atol=1e-4)
                 stats = pd.read_csv(results / f"stats/{checkpoint}/{prompt}/layer{layer}.csv")
                 assert set(stats.measure) == {"logit_mean", "prob_mass"}
+            for layer in range(4):  # every layer surveyed
+                survey = xr.open_zarr(
+                    results / f"attention/{checkpoint}/{prompt}/layer{layer}.zarr"
+                )
+                assert survey.key_mass.shape == (5, 4, 21, 21 * 24)
+                frames = xr.open_zarr(results / f"frames/{checkpoint}/{prompt}/layer{layer}.zarr")
+                assert frames.attrs["store"] == "attention"
             figures = results / f"figures/{checkpoint}/{prompt}"
             names = {p.name for p in figures.iterdir()}
             assert {
@@ -42,13 +49,20 @@ def test_demo_produces_every_contract(demo_run):
                 "layer2_frame_maps.svg",
                 "layer_comparison.svg",
                 "statistics.svg",
+                "survey_first_frame.svg",
+                "survey_head_class.svg",
+                "survey_sink_rate.svg",
+                "survey_spatial.svg",
             } <= names
+            assert "layer1_heads_grid.svg" not in names  # per-layer figures: token layers only
     summary = pd.read_csv(results / "stats/summary.csv")
     assert {"run", "mean", "std", "count"} <= set(summary["aggregate"])
     for name in ("checkpoints", "prompts", "passes"):
         assert (results / f"figures/compare/{name}.svg").stat().st_size > 1000
     log = (results / "logs/extract/demo_a/eagle/layer0.log").read_text()
     assert "block 7/7 pass 5/5 (cache, t=0)" in log  # progress by block and pass
+    log = (results / "logs/survey/demo_a/eagle.log").read_text()
+    assert "4 attention store(s) of demo_a, up to" in log and "block 7/7 pass 5/5" in log
     # The two demo checkpoints really differ.
     a = xr.open_zarr(results / "frames/demo_a/eagle/layer0.zarr").logit_mean.values
     b = xr.open_zarr(results / "frames/demo_b/eagle/layer0.zarr").logit_mean.values
@@ -120,11 +134,16 @@ def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path)
 
 def test_token_stores_are_temporary_unless_kept(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
+    # Token stores of layers that are not surveyed (1 and 3 here) are reduced, then deleted.
+    edit_config(workdir, lambda c: (c.update(layers=[1, 3]), c["capture"].update(survey=[0, 2])))
+    snakemake(workdir)
     edit_config(workdir, lambda c: c["capture"].update(keep_tokens=False))
     assert planned_jobs(workdir) == set()  # keeping or not does not change any result
     snakemake(workdir, "--delete-temp-output")
-    assert not list((workdir / "results/logits").rglob("*.zarr"))
-    assert len(list((workdir / "results/frames").rglob("layer*.zarr"))) == 8
+    assert not list((workdir / "results/logits").rglob("layer[13].zarr"))
+    frames = list((workdir / "results/frames").rglob("layer*.zarr"))
+    assert len(frames) == 16
+    assert {xr.open_zarr(f).attrs["store"] for f in frames} == {"tokens", "attention"}
     assert planned_jobs(workdir) == set()
 
 

@@ -2,7 +2,8 @@
 
 `FIGURES` maps each kind to the function that draws it (in `sinkscope.analysis.plots`), its
 caption (`report/<caption>`), how many files it makes and which layers it shows. The rules build
-their outputs and report labels from it (`run_figures`, `compare_figures`); the figure scripts hand
+their outputs and report labels from it (`run_figures`, `compare_figures`, and with a whole-model
+survey `survey_figures`, `survey_compare_figures`); the figure scripts hand
 their outputs to `plots.render_figures`, which asks `parse_figure_path` what each file is.
 
 Adding a figure: a `plot_*` function in plots.py, an entry here, a caption in report/, a test.
@@ -14,7 +15,14 @@ Scopes:
   layers in `layers`.
 - `compare`: one file across checkpoints and prompts: `compare/{kind}.{fmt}`; the function gets
   the datasets of every run of the layers in `layers`.
-`layers`: `captured` (every layer in `layers:`) or `heads` (the layers of `figures.heads`).
+- `survey`: one file per (checkpoint, prompt) with a whole-model survey: `survey_{kind}.{fmt}`
+  next to the run's figures (`survey_figures`); the function gets the frame datasets of every
+  surveyed layer (and, where it asks for them, their attention stores, Contract 4). A run without
+  a survey has none.
+`layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`) or
+`surveyed` (every surveyed layer). A `compare` kind of the `surveyed` layers compares surveys:
+`compare/survey_{kind}.{fmt}` (`survey_compare_figures`), not among `compare_figures`.
+File names of `surveyed` kinds start with `survey_`, and no other kind's name does.
 
 Layers and heads are 0-based everywhere: file names, titles, labels and CSVs (layer 0 head 0 is
 L0H0; Deep Forcing's paper counts from 1, so its L1H1 and L5H10 are L0H0 and L4H9 here).
@@ -29,8 +37,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 
-SCOPES = ("layer", "run", "compare")
-LAYER_SETS = ("captured", "heads")
+SCOPES = ("layer", "run", "compare", "survey")
+LAYER_SETS = ("captured", "heads", "surveyed")
+SURVEY_PREFIX = "survey_"  # file names of survey figures: survey_{kind}.{fmt}
 FORMATS = ("svg", "png", "pdf")
 
 
@@ -45,11 +54,29 @@ class FigureKind:
     def __post_init__(self):
         if self.scope not in SCOPES or self.layers not in LAYER_SETS:
             raise ValueError(f"figure {self.name}: bad scope {self.scope} or layers {self.layers}")
+        if self.scope == "survey" and not self.surveyed:
+            raise ValueError(f"figure {self.name}: survey figures show the surveyed layers")
+        if self.surveyed and self.scope not in ("survey", "compare"):
+            raise ValueError(f"figure {self.name}: surveyed layers need scope survey or compare")
+        if self.name.startswith(SURVEY_PREFIX):
+            raise ValueError(
+                f"figure {self.name}: {SURVEY_PREFIX} is the file prefix of survey kinds"
+            )
+
+    @property
+    def surveyed(self) -> bool:
+        """A figure of the whole-model survey (its file names start with `survey_`)."""
+        return self.layers == "surveyed"
+
+    @property
+    def stem(self) -> str:
+        """The file name without folder and format: `survey_{name}` for a survey figure."""
+        return f"{SURVEY_PREFIX}{self.name}" if self.surveyed else self.name
 
     @property
     def title(self) -> str:
         """The `figure` label in the report."""
-        return self.name.replace("_", " ")
+        return self.stem.replace("_", " ")
 
 
 FIGURES = {
@@ -66,6 +93,27 @@ FIGURES = {
         ),
         FigureKind("prompts", "plot_prompts", "compare_prompts.rst", "compare", "heads"),
         FigureKind("passes", "plot_passes", "compare_passes.rst", "compare", "heads"),
+        FigureKind(
+            "first_frame",
+            "plot_survey_first_frame",
+            "survey_first_frame.rst",
+            "survey",
+            "surveyed",
+        ),
+        FigureKind(
+            "head_class", "plot_survey_head_class", "survey_head_class.rst", "survey", "surveyed"
+        ),
+        FigureKind(
+            "sink_rate", "plot_survey_sink_rate", "survey_sink_rate.rst", "survey", "surveyed"
+        ),
+        FigureKind("spatial", "plot_survey_spatial", "survey_spatial.rst", "survey", "surveyed"),
+        FigureKind(
+            "sink_rate_runs",
+            "plot_survey_sink_rate_runs",
+            "survey_sink_rate_runs.rst",
+            "compare",
+            "surveyed",
+        ),
     )
 }
 
@@ -73,6 +121,22 @@ FIGURES = {
 def layer_label(layers: Sequence[int]) -> str:
     """The `layer` label of a figure: 'L0, L2'."""
     return ", ".join(f"L{int(layer)}" for layer in layers)
+
+
+def layer_range_label(layers: Sequence[int]) -> str:
+    """The `layer` label of a survey figure, runs of three or more consecutive layers joined:
+    'L0–L29', 'L0–L2, L5, L7, L8'."""
+    runs: list[list[int]] = []
+    for layer in sorted({int(layer) for layer in layers}):
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    labels = [
+        [f"L{layer}" for layer in run] if len(run) < 3 else [f"L{run[0]}–L{run[-1]}"]
+        for run in runs
+    ]
+    return ", ".join(label for run in labels for label in run)
 
 
 @dataclass(frozen=True)
@@ -85,7 +149,8 @@ class FigureFile:
 
     @property
     def labels(self) -> dict[str, str]:
-        return {"figure": self.kind.title, "layer": layer_label(self.layers)}
+        label = layer_range_label if self.kind.surveyed else layer_label
+        return {"figure": self.kind.title, "layer": label(self.layers)}
 
 
 def _shown_layers(kind: FigureKind, layers: Sequence[int], head_layers: Sequence[int]):
@@ -119,7 +184,35 @@ def compare_figures(
     return [
         FigureFile(f"{folder}/{kind.name}.{fmt}", kind, _shown_layers(kind, layers, head_layers))
         for kind in FIGURES.values()
-        if kind.scope == "compare"
+        if kind.scope == "compare" and not kind.surveyed
+    ]
+
+
+def survey_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
+    """Every survey file of one (checkpoint, prompt) in `folder` (the run's figure folder), in
+    registry order, each showing every layer of `survey_layers`; none without surveyed layers."""
+    _check_format(fmt)
+    shown = tuple(sorted({int(layer) for layer in survey_layers}))
+    if not shown:
+        return []
+    return [
+        FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, shown)
+        for kind in FIGURES.values()
+        if kind.scope == "survey"
+    ]
+
+
+def survey_compare_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
+    """Every file comparing the surveys of several runs, in `folder` (e.g.
+    results/figures/compare), showing `survey_layers`; none without surveyed layers."""
+    _check_format(fmt)
+    shown = tuple(sorted({int(layer) for layer in survey_layers}))
+    if not shown:
+        return []
+    return [
+        FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, shown)
+        for kind in FIGURES.values()
+        if kind.scope == "compare" and kind.surveyed
     ]
 
 
@@ -133,9 +226,11 @@ def parse_figure_path(path: str | PurePath) -> tuple[FigureKind, int | None, str
     _check_format(fmt, path)
     match = _LAYER_FILE.match(path.stem)
     name, layer = (match.group(2), int(match.group(1))) if match else (path.stem, None)
-    kind = FIGURES.get(name)
-    if kind is None or (kind.scope == "layer") != (layer is not None):
-        raise ValueError(f"{path}: not a figure file name of the registry ({sorted(FIGURES)})")
+    survey = layer is None and name.startswith(SURVEY_PREFIX)
+    kind = FIGURES.get(name.removeprefix(SURVEY_PREFIX) if survey else name)
+    if kind is None or (kind.scope == "layer") != (layer is not None) or kind.surveyed != survey:
+        names = sorted(f"{kind.stem}" for kind in FIGURES.values())
+        raise ValueError(f"{path}: not a figure file name of the registry ({names})")
     return kind, layer, fmt
 
 

@@ -3,8 +3,8 @@
 Two layers of API:
 - `plot_*` builders take loaded frame datasets and return a `matplotlib.figure.Figure`; tests read
   the plotted numbers back from them.
-- `render_run_figures` / `render_compare_figures` open the zarr stores, call the builders and write
-  the files the workflow declares.
+- `render_figures` opens the zarr stores (frame datasets, and for the whole-model survey the
+  attention stores of Contract 4), calls the builders and writes the files the workflow declares.
 
 Figures are bare `Figure` objects (no pyplot global state, no GUI backend) drawn under one style
 (`STYLE`): text stays text in SVG, everything is vector, and the same data give the same bytes.
@@ -25,14 +25,16 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 from matplotlib.axes import Axes
+from matplotlib.collections import QuadMesh
 from matplotlib.colors import Colormap, LogNorm, Normalize
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
 from sinkscope.analysis import figures, stats
 from sinkscope.analysis.reduce import open_frame_dataset
-from sinkscope.storage import atomic_path
+from sinkscope.storage import ATTRIBUTES_CHECKSUM, atomic_path, attributes_checksum
 
 MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
 PROFILE_LABELS = {
@@ -801,6 +803,458 @@ def plot_passes(
 
 
 # --------------------------------------------------------------------------------------------
+# whole-model survey: every layer of one run
+
+SURVEY_MEASURE = "prob_mass"  # sinks are probability mass (Gu et al.)
+FIRST_FRAME_LABEL = "First-frame probability mass"
+IMPORTANCE_LABEL = "Importance of frame 0"
+TOKEN_MASS_LABEL = "Probability mass per key token"
+HEAD_CLASS_MARKERS = {"sink": "o", "recent": "^"}  # spread: no marker
+SPATIAL_COLUMNS = 4
+SINK_RATE_DODGE = 0.08  # layers between the markers of consecutive steps
+
+
+def survey_statistics(
+    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, recent_threshold: float = 0.5
+) -> pd.DataFrame:
+    """The `last_block` prob_mass rows of the statistics CSV (`stats.frame_statistics`, Contract
+    3) of every layer of one run, stacked: one row per (layer, head, step)."""
+    tables = [
+        stats.frame_statistics(
+            ds, "last_block", sink_threshold=sink_threshold, recent_threshold=recent_threshold
+        )
+        for ds in _by_layer(datasets).values()
+    ]
+    table = pd.concat(tables, ignore_index=True)
+    return table[table["measure"] == SURVEY_MEASURE].reset_index(drop=True)
+
+
+def _survey_layers(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
+    """The layers of one run, which must share their captured steps (and their timesteps)."""
+    layers = _by_layer(datasets)
+    first = next(iter(layers.values()))
+    for ds in layers.values():
+        if not (
+            np.array_equal(ds["step"].values, first["step"].values)
+            and np.array_equal(ds["timestep"].values, first["timestep"].values)
+        ):
+            raise ValueError(
+                f"surveyed layers must share their steps: {_describe(ds)} has steps "
+                f"{ds['step'].values.tolist()} at timesteps {ds['timestep'].values.tolist()}, "
+                f"{_describe(first)} {first['step'].values.tolist()} at "
+                f"{first['timestep'].values.tolist()}"
+            )
+    return layers
+
+
+def _survey_title(layers: dict[int, xr.Dataset], what: str) -> str:
+    first = next(iter(layers.values()))
+    return f"{_checkpoint(first)} · {_prompt(first)} · {what}"
+
+
+def _step_panel_title(ds: xr.Dataset, step: int) -> str:
+    return f"step {int(step)} · {step_title(ds, step)}"
+
+
+def _layer_head_values(
+    table: pd.DataFrame, column: str, step: int, layers: Sequence[int], heads: Sequence[int]
+) -> np.ndarray:
+    """(layer, head) array of one statistics column at `step`; NaN where a head is missing."""
+    rows = table[table["step"] == int(step)]
+    grid = rows.pivot(index="layer", columns="head", values=column)
+    return grid.reindex(index=list(layers), columns=list(heads)).to_numpy(dtype=float)
+
+
+def _index_ticks(axis, labels: Sequence[int], room_pt: float, label_pt: float) -> None:
+    """Ticks for cells 0..n-1 labelled `labels`: every cell where the labels fit (`room_pt` of
+    axis for labels `label_pt` apart at least), else every 2nd, 5th, 10th... with minor ticks."""
+    count = len(labels)
+    fits = max(1, int(room_pt // label_pt))
+    every = next(n for n in (1, 2, 5, 10, 20, 50, 100, count) if math.ceil(count / n) <= fits)
+    positions = list(range(0, count, every))
+    axis.set_ticks(positions)
+    axis.set_ticklabels([str(int(labels[i])) for i in positions])
+    axis.set_ticks(range(count) if every > 1 else [], minor=True)
+
+
+def _survey_geometry(num_layers: int, num_heads: int, panels: int) -> tuple[int, float, float]:
+    """(columns, panel width, panel height) in inches of the layer x head maps: cells about
+    square, a panel at most 4.5 in and at least 0.9 in tall."""
+    ncols = min(panels, 5)
+    width = (FULL_WIDTH_IN - 0.9) / ncols
+    height = min(max(num_layers * width / num_heads, 0.9), 4.5)
+    return ncols, width, height
+
+
+def _layer_head_maps(
+    layers: dict[int, xr.Dataset],
+    table: pd.DataFrame,
+    column: str,
+    legend_rows: int = 0,
+) -> tuple[Figure, list[Axes], list[int], list[int], QuadMesh]:
+    """One layer x head map of `column` per captured step, on one 0..1 colour scale; layer 0 on
+    top, head 0 on the left, NaN grey. Returns the figure, its panels, their steps and heads,
+    and the last mesh (for the colorbar)."""
+    first = next(iter(layers.values()))
+    steps = [int(step) for step in first["step"].values]
+    heads = sorted({int(head) for ds in layers.values() for head in ds["head"].values})
+    layer_list = list(layers)
+    ncols, width, height = _survey_geometry(len(layer_list), len(heads), len(steps))
+    nrows = math.ceil(len(steps) / ncols)
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, nrows * (height + 0.3) + 0.6 + 0.15 * legend_rows),
+        layout="constrained",
+    )
+    axes = _panel_grid(fig, len(steps), ncols, sharex=True, sharey=True)
+    cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    norm = Normalize(vmin=0.0, vmax=1.0)
+    mesh = None
+    for index, (ax, step) in enumerate(zip(axes, steps, strict=True)):
+        values = _layer_head_values(table, column, step, layer_list, heads)
+        mesh = ax.pcolormesh(
+            np.arange(len(heads) + 1) - 0.5,
+            np.arange(len(layer_list) + 1) - 0.5,
+            values,
+            cmap=cmap,
+            norm=norm,
+            edgecolors="face",
+            linewidth=0,
+        )
+        _boxed(ax)
+        ax.set_ylim(len(layer_list) - 0.5, -0.5)  # layer 0 on top
+        _index_ticks(ax.xaxis, heads, width * 72, 11)
+        _index_ticks(ax.yaxis, layer_list, height * 72, 9)
+        ax.tick_params(which="minor", length=1.2, width=0.4)
+        ax.set_title(_step_panel_title(first, step))
+        if index + ncols >= len(steps):  # no panel below: this one labels the heads
+            ax.tick_params(labelbottom=True)
+            ax.set_xlabel("Head")  # per panel: a legend may take the figure's foot
+    fig.supylabel("Layer (0-based)")
+    return fig, axes, steps, heads, mesh
+
+
+@_styled
+def plot_survey_first_frame(datasets: Sequence[xr.Dataset]) -> Figure:
+    """Layer x head map of the last block's mass on its first key frame (the `first` statistic of
+    the `last_block` prob_mass profile), one panel per captured step."""
+    layers = _survey_layers(datasets)
+    table = survey_statistics(list(layers.values()))
+    fig, axes, _, _, mesh = _layer_head_maps(layers, table, "first")
+    fig.suptitle(_survey_title(layers, "last block's mass on the first key frame, every layer"))
+    _colorbar(fig, mesh, axes, FIRST_FRAME_LABEL)
+    return fig
+
+
+@_styled
+def plot_survey_head_class(
+    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, recent_threshold: float = 0.5
+) -> Figure:
+    """Layer x head map of Gu et al.'s importance of frame 0, one panel per captured step, each
+    cell marked with its head class (statistics column `head_class`): sink o, recent ^, spread
+    unmarked."""
+    layers = _survey_layers(datasets)
+    table = survey_statistics(
+        list(layers.values()), sink_threshold=sink_threshold, recent_threshold=recent_threshold
+    )
+    fig, axes, steps, heads, mesh = _layer_head_maps(layers, table, "importance", legend_rows=1)
+    layer_list = list(layers)
+    _, width, height = _survey_geometry(len(layer_list), len(heads), len(steps))
+    cell_pt = 72 * min(width / len(heads), height / len(layer_list))
+    size = max(0.35 * cell_pt, 1.0) ** 2
+    style = {"facecolor": "white", "edgecolor": "black", "linewidths": 0.3}
+    for ax, step in zip(axes, steps, strict=True):
+        classes = table[table["step"] == step]
+        for name, marker in HEAD_CLASS_MARKERS.items():
+            cells = classes[classes["head_class"] == name]
+            ax.scatter(
+                [heads.index(int(h)) for h in cells["head"]],
+                [layer_list.index(int(layer)) for layer in cells["layer"]],
+                s=size,
+                marker=marker,
+                label=name,
+                **style,
+            )
+    marker_style = {"linestyle": "", "markerfacecolor": "white", "markeredgecolor": "black"}
+    handles = [
+        Line2D(
+            [], [], marker="o", label=f"sink: first-frame mass ≥ {sink_threshold:g}", **marker_style
+        ),
+        Line2D(
+            [],
+            [],
+            marker="^",
+            label=f"recent: own-block mass ≥ {recent_threshold:g}",
+            **marker_style,
+        ),
+        Line2D([], [], marker="", label="spread: no marker", **marker_style),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, title="Head class")
+    fig.suptitle(_survey_title(layers, "importance of frame 0 and head class, every layer"))
+    _colorbar(fig, mesh, axes, IMPORTANCE_LABEL)
+    return fig
+
+
+@_styled
+def plot_survey_sink_rate(datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3) -> Figure:
+    """Sink rate per layer (`stats.sink_rates`: the share of heads whose importance of frame 0 is
+    at least `sink_threshold`), one line per captured step."""
+    layers = _survey_layers(datasets)
+    table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+    rates = stats.sink_rates(table, sink_threshold)
+    steps = _common_steps(list(layers.values()))
+    colors = _step_colors([label for _, label in steps])
+    fig = Figure(
+        figsize=(min(max(COLUMN_WIDTH_IN, 0.12 * len(layers) + 2.2), FULL_WIDTH_IN), 2.4),
+        layout="constrained",
+    )
+    ax = fig.add_subplot()
+    # Rates are multiples of 1/heads, so steps often coincide: each step's markers sit shifted
+    # sideways by SINK_RATE_DODGE layers from the next, centred on the layer.
+    for i, (step, label) in enumerate(steps):
+        rows = rates[rates["step"] == step].sort_values("layer")
+        shift = (i - (len(steps) - 1) / 2) * SINK_RATE_DODGE
+        ax.plot(
+            rows["layer"].to_numpy(dtype=float) + shift,
+            rows["sink_rate"].to_numpy(dtype=float),
+            color=colors[label],
+            linestyle="--" if label == "cache" else "-",
+            linewidth=0.8,
+            marker="o",
+            label=label,
+        )
+    ax.set_ylim(-0.04, 1.04)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.set_xlabel("Layer (0-based)")
+    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
+    ax.set_title("Share of heads that are sinks, per layer")
+    fig.legend(loc="outside right upper", title="Step")
+    num_heads = len(next(iter(layers.values()))["head"])
+    fig.suptitle(_survey_title(layers, f"{num_heads} heads per layer"))
+    return fig
+
+
+def _survey_runs(datasets: Sequence[xr.Dataset]) -> dict[tuple[str, str], dict[int, xr.Dataset]]:
+    """The datasets grouped by (checkpoint, prompt) in order of appearance, each run's layers
+    sorted and sharing their steps."""
+    runs: dict[tuple[str, str], list[xr.Dataset]] = {}
+    for ds in datasets:
+        runs.setdefault((_checkpoint(ds), _prompt(ds)), []).append(ds)
+    if not runs:
+        raise ValueError("no frame datasets given")
+    return {run: _survey_layers(group) for run, group in runs.items()}
+
+
+SURVEY_RUN_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+
+
+@_styled
+def plot_survey_sink_rate_runs(
+    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, step: int = 0
+) -> Figure:
+    """Sink rate per layer at `step`, one line per surveyed run: colour by checkpoint, marker by
+    prompt."""
+    runs = _survey_runs(datasets)
+    checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
+    prompts = list(dict.fromkeys(prompt for _, prompt in runs))
+    colors = dict(zip(checkpoints, _series_colors(len(checkpoints)), strict=True))
+    markers = {
+        prompt: SURVEY_RUN_MARKERS[i % len(SURVEY_RUN_MARKERS)] for i, prompt in enumerate(prompts)
+    }
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.6), layout="constrained")
+    ax = fig.add_subplot()
+    dodge = min(SINK_RATE_DODGE, 0.5 / len(runs))
+    for i, ((checkpoint, prompt), layers) in enumerate(runs.items()):
+        for ds in layers.values():
+            _select_step(ds, step)
+        table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+        rates = stats.sink_rates(table, sink_threshold)
+        rows = rates[rates["step"] == int(step)].sort_values("layer")
+        ax.plot(
+            rows["layer"].to_numpy(dtype=float) + (i - (len(runs) - 1) / 2) * dodge,
+            rows["sink_rate"].to_numpy(dtype=float),
+            color=colors[checkpoint],
+            linewidth=0.8,
+            marker=markers[prompt],
+            label=f"{checkpoint} · {prompt}",
+        )
+    ax.set_ylim(-0.04, 1.04)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.set_xlabel("Layer (0-based)")
+    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
+    ax.set_title("Share of heads that are sinks, per layer, every surveyed run")
+    fig.legend(loc="outside right upper", title="Checkpoint · prompt")
+    fig.suptitle(f"Survey sink rates · step {int(step)} · {_compare_title(datasets, step)}")
+    return fig
+
+
+def _position(ds: xr.Dataset, dim: str, label: int) -> int:
+    return [int(value) for value in ds[dim].values].index(int(label))
+
+
+def _pick(array: xr.DataArray, dim: str, label: int, position: int) -> xr.DataArray:
+    """Select by label where the store labels `dim`, else by position (step and head are plain
+    indices in the stores)."""
+    return array.sel({dim: label}) if dim in array.coords else array.isel({dim: position})
+
+
+def first_frame_image(store: xr.Dataset, ds: xr.Dataset, head: int, step: int) -> np.ndarray:
+    """(H', W') image of where in latent frame 0 a head's last block attends: the attention
+    store's `key_mass` on frame 0's tokens at `step`, averaged over the last block's query frames
+    of the frame dataset `ds` (`stats.query_profile`: NaN where one of them cannot see it).
+    Reads only that step, head, those query frames and the first T key tokens."""
+    tokens = int(store.attrs["frame_seq_length"])
+    _, height, width = (int(n) for n in store.attrs["latent_grid"])
+    queries = ds["query_frame"].values[stats.last_block_rows(ds)]
+    mass = _pick(store["key_mass"], "step", step, _position(ds, "step", step))
+    mass = _pick(mass, "head", head, _position(ds, "head", head))
+    mass = mass.sel(query_frame=queries).isel(key_token=slice(0, tokens))
+    values = mass.transpose("query_frame", "key_token").values
+    return stats.query_profile(values, range(len(queries))).reshape(height, width)
+
+
+def strongest_sinks(table: pd.DataFrame, step: int, top: int) -> pd.DataFrame:
+    """The `top` (layer, head)s of `survey_statistics` with the largest first-frame mass at
+    `step`, largest first (ties: lower layer, then lower head); heads without one are left out."""
+    rows = table[(table["step"] == int(step)) & np.isfinite(table["first"].astype(float))]
+    ordered = rows.assign(order=-rows["first"].astype(float)).sort_values(
+        ["order", "layer", "head"], kind="stable"
+    )
+    return ordered.head(int(top))[["layer", "head", "first"]].reset_index(drop=True)
+
+
+def _attention_by_layer(
+    attention: Sequence[xr.Dataset], layers: dict[int, xr.Dataset]
+) -> dict[int, xr.Dataset]:
+    """The attention stores by layer; each must belong to the run of `layers` and hold a layer of
+    it, and every layer needs its store."""
+    first = next(iter(layers.values()))
+    run = (_checkpoint(first), _prompt(first))
+    stores: dict[int, xr.Dataset] = {}
+    for store in attention:
+        layer = int(store.attrs["layer"])
+        where = f"attention store {store.attrs['checkpoint']}/{store.attrs['prompt']}/layer{layer}"
+        if (str(store.attrs["checkpoint"]), str(store.attrs["prompt"])) != run:
+            raise ValueError(f"{where} is not of the run {run[0]}/{run[1]}")
+        if layer in stores:
+            raise ValueError(f"{where} given twice")
+        if layer not in layers:
+            raise ValueError(f"{where} has no frame dataset (layers: {list(layers)})")
+        stores[layer] = store
+    missing = [layer for layer in layers if layer not in stores]
+    if missing:
+        raise ValueError(
+            f"the survey figure needs the attention store of every surveyed layer; "
+            f"{run[0]}/{run[1]} lacks layers {missing}"
+        )
+    for layer, store in stores.items():
+        ds = layers[layer]
+        if not np.allclose(store["timestep"].values, ds["timestep"].values):
+            raise ValueError(
+                f"attention store of {_describe(ds)} has timesteps "
+                f"{store['timestep'].values.tolist()}, its frame dataset "
+                f"{ds['timestep'].values.tolist()}"
+            )
+    return stores
+
+
+@_styled
+def plot_survey_spatial(
+    datasets: Sequence[xr.Dataset],
+    *,
+    attention: Sequence[xr.Dataset] = (),
+    step: int = 0,
+    top: int = 8,
+) -> Figure:
+    """Where in latent frame 0 the `top` strongest first-frame sinks of the survey attend: per
+    head the H' x W' image of `first_frame_image` at `step`, on one shared log colour scale."""
+    layers = _survey_layers(datasets)
+    first = next(iter(layers.values()))
+    _select_step(first, step)
+    stores = _attention_by_layer(attention, layers)
+    strongest = strongest_sinks(survey_statistics(list(layers.values())), step, top)
+    if strongest.empty:
+        raise ValueError(
+            f"no head of {_checkpoint(first)}/{_prompt(first)} has a first-frame mass at step "
+            f"{step}: no probabilities were captured"
+        )
+    images = np.stack(
+        [
+            first_frame_image(stores[int(row.layer)], layers[int(row.layer)], row.head, step)
+            for row in strongest.itertuples()
+        ]
+    )
+    cmap, norm, shown = _color_scale(images, "probabilities")
+    count, (height, width) = len(images), images.shape[1:]
+    ncols = min(count, SPATIAL_COLUMNS)
+    nrows = math.ceil(count / ncols)
+    panel = (FULL_WIDTH_IN - 0.9) / ncols
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, nrows * (panel * height / width + 0.22) + 0.6),
+        layout="constrained",
+    )
+    axes = _panel_grid(fig, count, ncols)
+    mesh = None
+    for ax, row, image in zip(axes, strongest.itertuples(), shown, strict=True):
+        mesh = ax.pcolormesh(
+            np.arange(width + 1) - 0.5,
+            np.arange(height + 1) - 0.5,
+            image,
+            cmap=cmap,
+            norm=norm,
+            edgecolors="face",
+            linewidth=0,
+        )
+        ax.set_ylim(height - 0.5, -0.5)  # latent row 0 on top, like the video
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        _boxed(ax)
+        ax.set_title(f"{head_label(row.layer, row.head)} · first frame {row.first:.2f}")
+    fig.suptitle(
+        _survey_title(
+            layers,
+            f"where the last block attends in frame 0, {count} strongest first-frame sinks · "
+            f"{_step_panel_title(first, step)}",
+        )
+    )
+    fig.supxlabel(f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video")
+    _colorbar(fig, mesh, axes, TOKEN_MASS_LABEL)
+    return fig
+
+
+def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
+    """Open an attention store (Contract 4) lazily, checking its attributes (checksum where it has
+    one, the `complete` mark) and that it has what the survey figures read; errors name the
+    path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"attention store not found: {path}")
+    try:
+        store = xr.open_zarr(path)
+    except Exception as err:
+        raise ValueError(f"attention store {path} cannot be read ({err})") from err
+    attrs = store.attrs
+    if ATTRIBUTES_CHECKSUM in attrs and attrs[ATTRIBUTES_CHECKSUM] != attributes_checksum(attrs):
+        raise ValueError(
+            f"attention store {path}: its attributes fail their checksum; re-run its capture"
+        )
+    if attrs.get("complete") is not True:
+        raise ValueError(
+            f"attention store {path}: not marked complete: its capture was killed or is still "
+            "running; re-run it"
+        )
+    missing = [name for name in ("key_mass", "timestep", "query_frame") if name not in store]
+    missing += [
+        name
+        for name in ("checkpoint", "prompt", "layer", "frame_seq_length", "latent_grid")
+        if name not in attrs
+    ]
+    if missing:
+        raise ValueError(f"attention store {path} lacks {missing}")
+    return store
+
+
+# --------------------------------------------------------------------------------------------
 # writing files
 
 
@@ -828,6 +1282,25 @@ def _datasets_for(
     return [ds for ds in datasets if _layer(ds) in wanted] or list(datasets)
 
 
+def _survey_datasets(
+    datasets: Sequence[xr.Dataset], attention: Sequence[xr.Dataset]
+) -> list[xr.Dataset]:
+    """The frame datasets a survey figure shows: those of the attention stores' layers when
+    stores are given (each needs one), else every one given."""
+    if not attention:
+        return list(datasets)
+    wanted = {_store_key(store) for store in attention}
+    have = {(_checkpoint(ds), _prompt(ds), _layer(ds)) for ds in datasets}
+    missing = [f"{c}/{p}/layer{layer}" for c, p, layer in sorted(wanted - have)]
+    if missing:
+        raise ValueError(f"the attention stores {missing} have no frame dataset given")
+    return [ds for ds in datasets if (_checkpoint(ds), _prompt(ds), _layer(ds)) in wanted]
+
+
+def _store_key(store: xr.Dataset) -> tuple[str, str, int]:
+    return (str(store.attrs["checkpoint"]), str(store.attrs["prompt"]), int(store.attrs["layer"]))
+
+
 def render_figures(
     frame_stores: Sequence[str | os.PathLike],
     outputs: Sequence[str | os.PathLike],
@@ -836,38 +1309,69 @@ def render_figures(
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
+    attention_stores: Sequence[str | os.PathLike] = (),
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
 ) -> list[Path]:
     """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
 
     What a file shows comes from its name (`figures.parse_figure_path`: kind, layer, format), so
-    the rules' outputs alone decide what is drawn and where. Layer and run figures need the
-    stores of one (checkpoint, prompt); compare figures take any number of runs. Every request
-    (heads, step, options, names) is checked before the first file is written.
+    the rules' outputs alone decide what is drawn and where. Layer, run and survey figures need
+    the stores of one (checkpoint, prompt); compare figures take any number of runs. Survey
+    figures (and survey compare figures) show the layers of the attention stores
+    `attention_stores` (Contract 4; every one needs its frame dataset), or every frame dataset
+    when none is given; `survey_spatial` needs them. `sink_threshold` and `recent_threshold` are
+    the statistics' (head class, sink rate). Every request (heads, step, options, names) is
+    checked before the first file is written.
     """
     _check_options(measure, frame_axis)
     plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
     datasets = [open_frame_dataset(path) for path in frame_stores]
     if not datasets:
         raise ValueError("no frame datasets given")
+    attention = [open_attention_store(path) for path in attention_stores]
     for ds in datasets:
         _select_step(ds, step)
-    scopes = {kind.scope for _, kind, _, _ in plan}
-    if scopes & {"layer", "run"}:
+    kinds = [kind for _, kind, _, _ in plan]
+    if any(kind.scope in ("layer", "run") for kind in kinds):
         layers = _by_layer(datasets)
         _check_run_heads(layers, heads)
-    if "compare" in scopes:
+    if any(kind.scope == "compare" and not kind.surveyed for kind in kinds):
         _check_compare_inputs(_datasets_for("heads", datasets, heads), heads)
-    options = {"heads": heads, "measure": measure, "frame_axis": frame_axis, "step": step}
+    if any(kind.surveyed for kind in kinds):
+        survey = _survey_datasets(datasets, attention)
+        runs = _survey_runs(survey)
+    if any(kind.scope == "survey" for kind in kinds):
+        if len(runs) > 1:
+            raise ValueError(f"survey figures show one run, got {list(runs)}")
+        surveyed = next(iter(runs.values()))
+        if attention or any("attention" in _accepted(kind) for kind in kinds):
+            _attention_by_layer(attention, surveyed)
+    options = {
+        "heads": heads,
+        "measure": measure,
+        "frame_axis": frame_axis,
+        "step": step,
+        "attention": attention,
+        "sink_threshold": sink_threshold,
+        "recent_threshold": recent_threshold,
+    }
     written = []
     for path, kind, layer, fmt in plan:
         builder = globals()[kind.builder]
-        accepted = inspect.signature(builder).parameters
-        kwargs = {name: value for name, value in options.items() if name in accepted}
+        kwargs = {name: value for name, value in options.items() if name in _accepted(kind)}
         if kind.scope == "layer":
             if layer not in layers:
                 raise ValueError(f"{path}: no frame dataset of layer {layer} given")
             data = layers[layer]
+        elif kind.surveyed:
+            data = survey
         else:
             data = _datasets_for(kind.layers, datasets, heads)
         written.append(save_figure(builder(data, **kwargs), path, fmt))
     return written
+
+
+def _accepted(kind: figures.FigureKind) -> set[str]:
+    """The options the builder of `kind` takes."""
+    return set(inspect.signature(globals()[kind.builder]).parameters)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import dask
@@ -32,6 +35,8 @@ from sinkscope.storage import (
     mark_complete,
     tune_zarr,
 )
+
+log = logging.getLogger(__name__)
 
 LOGIT_DIMS = ("step", "head", "query_token", "key_token")
 KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
@@ -488,6 +493,28 @@ def reduce_attention_store(
         "attention",
         lambda path, ds: _reduce_attention_dataset(path, ds, threads),
     )
+
+
+def reduce_attention_stores(
+    attention_stores: Sequence[str | os.PathLike],
+    outs: Sequence[str | os.PathLike],
+    *,
+    threads: int | None = None,
+) -> None:
+    """`reduce_attention_store` of each store to the matching path of `outs` (a survey's layers)."""
+    if len(attention_stores) != len(outs):
+        raise ValueError(f"{len(attention_stores)} attention stores but {len(outs)} outputs")
+    for index, (store, out) in enumerate(zip(attention_stores, outs, strict=True)):
+        started = time.perf_counter()
+        reduce_attention_store(store, out, threads=threads)
+        log.info(
+            "%d/%d %s -> %s (%.1f s)",
+            index + 1,
+            len(outs),
+            store,
+            out,
+            time.perf_counter() - started,
+        )
 
 
 def _reduce_store(store, out, kind: str, reducer) -> None:

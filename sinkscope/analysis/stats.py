@@ -244,6 +244,27 @@ def write_stats(
     _write_csv_atomically(table, csv_path)
 
 
+def write_run_stats(
+    frame_stores: Sequence[str | os.PathLike],
+    csv_paths: Sequence[str | os.PathLike],
+    query: str = "last_block",
+    *,
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
+) -> None:
+    """`write_stats` of each frame dataset of a run to the matching CSV path."""
+    if len(frame_stores) != len(csv_paths):
+        raise ValueError(f"{len(frame_stores)} frame datasets but {len(csv_paths)} CSV paths")
+    for frame_store, csv_path in zip(frame_stores, csv_paths, strict=True):
+        write_stats(
+            frame_store,
+            csv_path,
+            query,
+            sink_threshold=sink_threshold,
+            recent_threshold=recent_threshold,
+        )
+
+
 def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
     """Stack per-run statistics (aggregate='run') and add across-prompt mean, std and count."""
     runs = pd.concat(list(tables), ignore_index=True)

@@ -23,12 +23,14 @@ from .entries import (
     ConfigError,
     checkpoint_inputs,
     checkpoint_spec,
+    frame_layers,
     is_demo_checkpoint,
     is_demo_encoder,
     model_config,
     prompt_embeddings,
     prompt_text,
     sampler_settings,
+    survey_layers,
     uses_text_encoder,
 )
 
@@ -58,6 +60,7 @@ INTEGER_KEYS = (
     "text_encoder.text_len",
     "capture.passes",
     "capture.passes.*",
+    "capture.survey.*",
 )
 
 
@@ -135,31 +138,22 @@ def check_config(config: dict) -> None:
     _check_names(config)
     _check_integers(config)
     _check_prompts(config)
-    demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
-    for name, entry in config["checkpoints"].items():
-        key = f"checkpoints.{name}"
-        if is_demo_checkpoint(config, name):
-            if "generator" in entry:
-                raise ConfigError(f"{key}.generator: a demo checkpoint has no generator file")
-        else:
-            for path in checkpoint_inputs(config, name):
-                if not Path(path).is_file():
-                    hint = (
-                        f" (demo checkpoints are made under {DEMO_DIR}/<name> for names in "
-                        f"demo.checkpoints: {sorted(demo_checkpoints)})"
-                    )
-                    raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
+    _check_checkpoint_files(config)
+    surveyed = survey_layers(config)  # reads every checkpoint's config for `all`
+    _check_layers(config, surveyed)
+    for name in config["checkpoints"]:
         model = model_config(config, name)
         if not is_demo_checkpoint(config, name):
             _check_num_heads(config, name, model)
         num_layers = model.num_layers
         num_heads = model.num_heads
-        bad = [layer for layer in config["layers"] if layer >= num_layers]
-        if bad:
-            raise ConfigError(
-                f"layers: {bad} out of range for checkpoint '{name}' "
-                f"with {num_layers} layers (0-based)"
-            )
+        for key, layers in (("layers", config["layers"]), ("capture.survey", surveyed)):
+            bad = [layer for layer in layers if layer >= num_layers]
+            if bad:
+                raise ConfigError(
+                    f"{key}: {bad} out of range for checkpoint '{name}' "
+                    f"with {num_layers} layers (0-based)"
+                )
         for _, head in config["figures"]["heads"]:
             if head >= num_heads:
                 raise ConfigError(
@@ -175,10 +169,12 @@ def check_config(config: dict) -> None:
             )
         _check_sampler(config, name)
         _check_text_fits(config, name, model)
+    captured = frame_layers(config)
     for layer, _ in config["figures"]["heads"]:
-        if layer not in config["layers"]:
+        if layer not in captured:
             raise ConfigError(
-                f"figures.heads: layer {layer} is not captured; add it to layers {config['layers']}"
+                f"figures.heads: layer {layer} is not captured; add it to layers "
+                f"{config['layers']} or to capture.survey"
             )
     video = config["video"]
     if video["frames_per_block"] > video["num_frames"]:
@@ -186,15 +182,52 @@ def check_config(config: dict) -> None:
             f"video.frames_per_block={video['frames_per_block']} exceeds "
             f"video.num_frames={video['num_frames']}"
         )
-    if not config["capture"]["tokens"] and config["figures"]["measure"] != "logits":
+    pooled_only = [
+        layer
+        for layer, _ in config["figures"]["heads"]
+        if layer not in surveyed and not config["capture"]["tokens"]
+    ]
+    if pooled_only and config["figures"]["measure"] != "logits":
         raise ConfigError(
-            "figures.measure: probabilities need the token logits; with capture.tokens: false "
-            "only frame-level mean logits exist (measure: logits)"
+            "figures.measure: probabilities need the token logits or a survey; with "
+            f"capture.tokens: false layers {sorted(set(pooled_only))} of figures.heads have only "
+            "frame-level mean logits (measure: logits, or survey them: capture.survey)"
         )
     if config["figures"]["step"] >= len(_capture_passes(config)):
         raise ConfigError(
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
+        )
+
+
+def _check_checkpoint_files(config: dict) -> None:
+    demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
+    for name, entry in config["checkpoints"].items():
+        key = f"checkpoints.{name}"
+        if is_demo_checkpoint(config, name):
+            if "generator" in entry:
+                raise ConfigError(f"{key}.generator: a demo checkpoint has no generator file")
+            continue
+        for path in checkpoint_inputs(config, name):
+            if not Path(path).is_file():
+                hint = (
+                    f" (demo checkpoints are made under {DEMO_DIR}/<name> for names in "
+                    f"demo.checkpoints: {sorted(demo_checkpoints)})"
+                )
+                raise ConfigError(f"{key}: checkpoint file not found: {path}{hint}")
+
+
+def _check_layers(config: dict, surveyed: list[int]) -> None:
+    """Something is captured, and no token store is made only to be deleted unread."""
+    if not config["layers"] and not surveyed:
+        raise ConfigError("layers is empty and capture.survey is none: nothing to capture")
+    both = sorted(set(config["layers"]) & set(surveyed))
+    if both and not config["capture"]["keep_tokens"]:
+        raise ConfigError(
+            f"capture.keep_tokens: false deletes a token store once it is reduced, but layers "
+            f"{both} are also surveyed: their frame datasets come from the attention stores, so "
+            "their token stores would be written for nothing; keep_tokens: true, or drop them "
+            "from layers"
         )
 
 

@@ -71,6 +71,33 @@ def model_config(config: dict, name: str) -> WanConfig:
         raise ConfigError(f"checkpoints.{name}.base: {err}") from None
 
 
+def token_layers(config: dict) -> list[int]:
+    """Layers with token stores (`layers`), one extraction job each."""
+    return sorted(config["layers"])
+
+
+def survey_layers(config: dict) -> list[int]:
+    """Layers with attention stores (`capture.survey`): none, every layer of the model (`all`,
+    the same for every checkpoint), or the listed ones."""
+    survey = config["capture"].get("survey", "none")
+    if survey == "none":
+        return []
+    if survey != "all":
+        return sorted(survey)
+    counts = {name: model_config(config, name).num_layers for name in config["checkpoints"]}
+    if len(set(counts.values())) > 1:
+        raise ConfigError(
+            f"capture.survey: all needs checkpoints with the same number of layers, got {counts}; "
+            "list the layers to survey instead"
+        )
+    return list(range(next(iter(counts.values()))))
+
+
+def frame_layers(config: dict) -> list[int]:
+    """Every layer with a frame dataset and statistics: token layers and surveyed ones."""
+    return sorted(set(token_layers(config)) | set(survey_layers(config)))
+
+
 def sampler_settings(config: dict, name: str) -> dict:
     """The global sampler with the checkpoint's overrides."""
     return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}

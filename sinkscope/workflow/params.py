@@ -68,12 +68,17 @@ def checkpoint_content(config: dict, name: str, cache: str | Path = DIGEST_CACHE
         raise ConfigError(f"checkpoints.{name}: {err}") from None
 
 
-def extraction_settings(config: dict, name: str, cache: str | Path = DIGEST_CACHE) -> dict:
+def extraction_settings(
+    config: dict, name: str, cache: str | Path = DIGEST_CACHE, store: str = "tokens"
+) -> dict:
     """Everything an extraction job of checkpoint `name` depends on, and nothing else.
 
     Used as the job's params, so adding layers or prompts does not re-run existing jobs, and the
-    checkpoint's content (not its files' timestamps) re-runs them when it changes.
+    checkpoint's content (not its files' timestamps) re-runs them when it changes. `store`: the
+    kind the job writes, `tokens` (rule extract) or `attention` (rule survey, which does not
+    depend on capture.tokens).
     """
+    captured = ("passes", "tokens") if store == "tokens" else ("passes",)
     return canonical(
         {
             # The spec's fields (what the loader gets) and the content of the files they name.
@@ -83,7 +88,7 @@ def extraction_settings(config: dict, name: str, cache: str | Path = DIGEST_CACH
             },
             "sampler": sampler_settings(config, name),
             "video": config["video"],
-            "capture": {k: config["capture"][k] for k in ("passes", "tokens")},
+            "capture": {k: config["capture"][k] for k in captured},
             "seed": config["seed"],
             "device": config["device"],
         }

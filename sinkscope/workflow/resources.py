@@ -13,10 +13,10 @@ import math
 import os
 from collections.abc import Sequence
 
-from sinkscope.frames import block_sizes, token_store_bytes
+from sinkscope.frames import attention_store_bytes, block_sizes, token_store_bytes
 from sinkscope.passes import resolve_passes
 
-from .entries import model_config, sampler_settings
+from .entries import model_config, sampler_settings, survey_layers
 from .params import extraction_gpus, prompt_encoder
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
@@ -51,6 +51,27 @@ def layer_store_bytes(config: dict, name: str) -> int:
         local_attn_size=sampler["local_attn_size"],
         sink_size=sampler["sink_size"],
     )
+
+
+def survey_store_bytes(config: dict, name: str) -> int:
+    """Uncompressed bytes of the attention stores of one survey job (every surveyed layer)."""
+    model = model_config(config, name)
+    sampler = sampler_settings(config, name)
+    video = config["video"]
+    one = attention_store_bytes(
+        num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
+        num_heads=model.num_heads,
+        num_frames=video["num_frames"],
+        frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
+    )
+    return one * len(survey_layers(config))
+
+
+def survey_runtime(config: dict, name: str) -> int:
+    """Minutes: setup and one rollout with every surveyed layer captured (on a GPU, about
+    twice the plain rollout: minutes), plus the attention stores written at WRITE_MB_PER_S."""
+    store_mb = survey_store_bytes(config, name) / 1e6
+    return 2 * EXTRACT_SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
 
 
 def extract_mem_mb(input_mb: float) -> int:

@@ -1,0 +1,615 @@
+"""Whole-model survey figures from synthetic attention stores (Contract 4) and the frame datasets
+reduced from them (Contract 2): file names, and the plotted numbers against numpy."""
+
+from __future__ import annotations
+
+import runpy
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+from matplotlib.collections import PathCollection, QuadMesh
+
+from sinkscope import frames
+from sinkscope.analysis import figures, plots, stats
+from sinkscope.storage import mark_complete
+
+from .workflowtools import REPO
+
+TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
+PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]
+BLOCKS = [3, 3, 3]  # 9 latent frames
+GRID = (3, 4)  # H' x W': T = 12 tokens per latent frame
+# Planted sinks, strongest first: (layer, head) -> logit bonus of frame 0 (others: at most 2).
+PLANTED = {(2, 1): 7.0, (0, 3): 5.5, (3, 0): 4.0}
+
+
+def hotspot(layer: int, head: int, tokens: int) -> int:
+    """The token of frame 0 a head's sink concentrates on."""
+    return (5 * layer + 3 * head + 1) % tokens
+
+
+def make_survey(
+    layer: int,
+    *,
+    checkpoint: str = "demo",
+    prompt: str = "cat",
+    num_heads: int = 4,
+    block_sizes: list[int] = BLOCKS,
+    grid: tuple[int, int] = GRID,
+    seed: int = 0,
+) -> tuple[xr.Dataset, xr.Dataset]:
+    """(attention store, frame dataset) of one layer: a softmax over key tokens per query frame
+    (all T query tokens of a frame alike, so the mean over them is that row), sinks on frame 0
+    (strong for PLANTED heads, each peaking on its `hotspot` token), a bonus for the own block.
+    The frame dataset is the store reduced as the reducer does: key_mass summed per key frame."""
+    rng = np.random.default_rng(1000 * seed + layer)
+    num_frames = sum(block_sizes)
+    tokens = grid[0] * grid[1]
+    key_frame = frames.token_frames(num_frames, tokens)
+    seen = frames.visible_frames(block_sizes)[:, key_frame]  # (query frame, key token)
+    blocks = frames.block_of_frame(block_sizes)
+    own = blocks[:, None] == blocks[key_frame][None, :]
+    sink = rng.uniform(-2.0, 2.0, num_heads)
+    recent = rng.uniform(0.0, 3.0, num_heads)
+    for (planted_layer, head), strength in PLANTED.items():
+        if planted_layer == layer and head < num_heads:
+            sink[head], recent[head] = strength, 0.0
+    logits = np.zeros((TIMESTEPS.size, num_heads, num_frames, key_frame.size))
+    scale = np.linspace(1.0, 0.6, TIMESTEPS.size)
+    for h in range(num_heads):
+        first = np.where(key_frame == 0, sink[h], 0.0)
+        first[hotspot(layer, h, tokens)] += 2.0
+        logits[:, h] = scale[:, None, None] * (first[None, :] + recent[h] * own)
+    logits += 0.3 * rng.standard_normal(logits.shape)
+    logits = np.where(seen, logits, -np.inf)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    key_mass = np.where(seen, weights / weights.sum(axis=-1, keepdims=True), np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.nansum(key_mass * np.log(key_mass), axis=-1)
+    prob_mass = np.stack(
+        [key_mass[..., key_frame == f].sum(axis=-1) for f in range(num_frames)], axis=-1
+    )
+    prob_mass = np.where(frames.visible_frames(block_sizes), prob_mass, np.nan)
+    logit_frames = np.stack(
+        [
+            np.where(seen, logits, np.nan)[..., key_frame == f].mean(axis=-1)
+            for f in range(num_frames)
+        ],
+        axis=-1,
+    )
+    attrs = {
+        "checkpoint": checkpoint,
+        "prompt": prompt,
+        "layer": layer,
+        "num_heads": num_heads,
+        "frame_seq_length": tokens,
+        "latent_grid": [num_frames, *grid],
+        "num_frames": num_frames,
+        "block_sizes": list(block_sizes),
+        "timesteps": TIMESTEPS.tolist(),
+        "store": "attention",
+    }
+    store = xr.Dataset(
+        {
+            "key_mass": (("step", "head", "query_frame", "key_token"), key_mass.astype(np.float32)),
+            "entropy": (("step", "head", "query_frame"), entropy.astype(np.float32)),
+            "logit_mean_pooled": (
+                ("step", "head", "pooled_query_frame", "pooled_key_frame"),
+                logit_frames.astype(np.float32),
+            ),
+        },
+        coords={
+            "timestep": ("step", TIMESTEPS),
+            "pass_kind": ("step", np.array(PASS_KINDS, dtype=object)),
+            "key_frame": ("key_token", key_frame.astype(np.int32)),
+            "query_frame": ("query_frame", np.arange(num_frames, dtype=np.int32)),
+        },
+        attrs=attrs,
+    )
+    ds = xr.Dataset(
+        {
+            "logit_mean": (("step", "head", "query_frame", "key_frame"), logit_frames),
+            "prob_mass": (("step", "head", "query_frame", "key_frame"), prob_mass),
+            "entropy": (("step", "head", "query_frame"), entropy),
+        },
+        coords={
+            "step": np.arange(TIMESTEPS.size),
+            "head": np.arange(num_heads),
+            "query_frame": np.arange(num_frames),
+            "key_frame": np.arange(num_frames),
+            "timestep": ("step", TIMESTEPS),
+            "pass_kind": ("step", np.array(PASS_KINDS, dtype=object)),
+            "block": ("query_frame", blocks),
+            "checkpoint": np.array(checkpoint, dtype=object),
+            "prompt": np.array(prompt, dtype=object),
+            "layer": layer,
+        },
+        attrs={k: v for k, v in attrs.items() if k != "store"},
+    )
+    return store, ds
+
+
+def make_run(num_layers: int = 4, **options) -> tuple[list[xr.Dataset], list[xr.Dataset]]:
+    """(attention stores, frame datasets) of every layer of one run."""
+    pairs = [make_survey(layer, **options) for layer in range(num_layers)]
+    return [store for store, _ in pairs], [ds for _, ds in pairs]
+
+
+def write(path: Path, ds: xr.Dataset) -> Path:
+    ds.to_zarr(path, zarr_format=3, mode="w")
+    mark_complete(path)
+    return path
+
+
+def write_run(root: Path, stores, datasets) -> tuple[list[Path], list[Path]]:
+    """Attention stores and frame datasets where the workflow puts them."""
+    attention, frame_paths = [], []
+    for store, ds in zip(stores, datasets, strict=True):
+        run = (
+            f"{store.attrs['checkpoint']}/{store.attrs['prompt']}/layer{store.attrs['layer']}.zarr"
+        )
+        attention.append(write(root / "attention" / run, store))
+        frame_paths.append(write(root / "frames" / run, ds))
+    return attention, frame_paths
+
+
+# independent numbers ------------------------------------------------------------------------
+
+
+def last_rows(ds: xr.Dataset) -> np.ndarray:
+    blocks = ds["block"].values
+    return np.flatnonzero(blocks == blocks.max())
+
+
+def numpy_first(ds: xr.Dataset) -> np.ndarray:
+    """[step, head] mass of the last block's queries on frame 0 (always visible here)."""
+    return ds["prob_mass"].values[:, :, last_rows(ds), 0].mean(axis=2)
+
+
+def numpy_recent(ds: xr.Dataset) -> np.ndarray:
+    """[step, head] mass of the last block's queries on their own block's frames."""
+    rows = last_rows(ds)
+    return ds["prob_mass"].values[:, :, rows][..., rows].mean(axis=2).sum(axis=-1)
+
+
+def numpy_importance(ds: xr.Dataset) -> np.ndarray:
+    """[step, head] mean mass on frame 0 over every query frame (all see it here)."""
+    return ds["prob_mass"].values[:, :, :, 0].mean(axis=2)
+
+
+def panels(fig) -> list:
+    """The map panels of a figure (not its colorbar), in order."""
+    return [
+        ax
+        for ax in fig.axes
+        if ax.get_label() != "<colorbar>" and any(isinstance(c, QuadMesh) for c in ax.collections)
+    ]
+
+
+def mesh_values(ax) -> np.ndarray:
+    """The colour values of a panel's mesh as (rows, columns), NaN where masked."""
+    (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
+    rows, cols = (n - 1 for n in mesh.get_coordinates().shape[:2])
+    return np.ma.filled(np.ma.asarray(mesh.get_array(), dtype=float), np.nan).reshape(rows, cols)
+
+
+def svg_texts(path: Path) -> list[str]:
+    root = ET.parse(path).getroot()
+    return ["".join(el.itertext()) for el in root.iter("{http://www.w3.org/2000/svg}text")]
+
+
+def svg_has_raster(path: Path) -> bool:
+    return any(True for _ in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}image"))
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+
+
+def test_survey_file_names_round_trip():
+    files = figures.survey_figures("out/c/p", [3, 0, 2, 1], "png")
+    assert [f.path for f in files] == [
+        "out/c/p/survey_first_frame.png",
+        "out/c/p/survey_head_class.png",
+        "out/c/p/survey_sink_rate.png",
+        "out/c/p/survey_spatial.png",
+    ]
+    assert [f.kind.name for f in files] == ["first_frame", "head_class", "sink_rate", "spatial"]
+    assert all(f.layers == (0, 1, 2, 3) and f.kind.scope == "survey" for f in files)
+    assert files[0].labels == {"figure": "survey first frame", "layer": "L0–L3"}
+    for f in files:
+        kind, layer, fmt = figures.parse_figure_path(f.path)
+        assert (kind, layer, fmt) == (f.kind, None, "png")
+        assert (REPO / "report" / kind.caption).is_file()
+        assert kind.caption == f"survey_{kind.name}.rst"
+    # A run without a survey has no survey figures; the run and compare files stay as they were.
+    assert figures.survey_figures("out/c/p", [], "svg") == []
+    run = [f.path for f in figures.run_figures("out/c/p", [0, 2], [0], "svg")]
+    compare = [f.path for f in figures.compare_figures("out/compare", [0], [0], "svg")]
+    assert not any("survey" in path for path in run + compare)
+    assert len(run) == 9 and len(compare) == 3
+    # Surveys compared across runs: compare/survey_*, again only with a survey.
+    (across,) = figures.survey_compare_figures("out/compare", [1, 0], "svg")
+    assert across.path == "out/compare/survey_sink_rate_runs.svg"
+    assert across.labels == {"figure": "survey sink rate runs", "layer": "L0, L1"}
+    assert figures.parse_figure_path(across.path) == (across.kind, None, "svg")
+    assert figures.survey_compare_figures("out/compare", [], "svg") == []
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "first_frame.svg",  # a survey kind needs its prefix
+        "survey_figure4.svg",  # a run kind must not have it
+        "survey_layer_comparison.svg",
+        "layer0_survey_first_frame.svg",
+        "layer0_first_frame.svg",
+        "survey_.svg",
+        "survey_spatial.jpg",
+        "sink_rate_runs.svg",
+    ],
+)
+def test_survey_names_refused(name):
+    with pytest.raises(ValueError, match=name.split(".")[0]):
+        figures.parse_figure_path(f"results/figures/c/p/{name}")
+
+
+def test_layer_range_labels():
+    assert figures.layer_range_label(range(30)) == "L0–L29"
+    assert figures.layer_range_label([8, 7, 0, 1, 2, 5]) == "L0–L2, L5, L7, L8"
+    assert figures.layer_range_label([4]) == "L4"
+    with pytest.raises(ValueError, match="survey"):
+        figures.FigureKind("survey_x", "plot_x", "x.rst", "run")
+    with pytest.raises(ValueError, match="surveyed"):
+        figures.FigureKind("x", "plot_x", "x.rst", "survey")
+
+
+# --------------------------------------------------------------------------------------------
+# the plotted numbers
+
+
+def test_first_frame_cells_are_the_statistics_first_column():
+    _, datasets = make_run(4, num_heads=4)
+    fig = plots.plot_survey_first_frame(datasets)
+    maps = panels(fig)
+    assert [ax.get_title() for ax in maps] == [
+        "step 0 · t=1000",
+        "step 1 · t=937.5",
+        "step 2 · t=833.33",
+        "step 3 · t=625",
+        "step 4 · cache pass",
+    ]
+    for step, ax in enumerate(maps):
+        values = mesh_values(ax)  # rows: layers 0..3, columns: heads 0..3
+        expected = np.stack([numpy_first(ds)[step] for ds in datasets])
+        np.testing.assert_allclose(values, expected, rtol=1e-6)
+        for layer, ds in enumerate(datasets):
+            first = stats.head_statistics(ds, "prob_mass", step)["first"].to_numpy()
+            np.testing.assert_allclose(values[layer], first, rtol=1e-12)
+    (colorbar,) = [ax for ax in fig.axes if ax not in maps]
+    assert colorbar.get_ylim() == (0.0, 1.0)
+    assert colorbar.get_ylabel() == plots.FIRST_FRAME_LABEL
+    # The planted sinks are where the map is bright.
+    step0 = mesh_values(maps[0])
+    assert {(layer, head) for layer, head in zip(*np.nonzero(step0 > 0.8), strict=True)} == set(
+        PLANTED
+    )
+
+
+def test_first_frame_reads_at_thirty_layers():
+    _, datasets = make_run(30, num_heads=12)
+    fig = plots.plot_survey_first_frame(datasets[::-1])  # any order: layers sorted
+    (ax, *_) = panels(fig)
+    assert mesh_values(ax).shape == (30, 12)
+    assert ax.get_ylim() == (29.5, -0.5)  # layer 0 on top
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels[0] == "0" and len(labels) <= 16 and int(labels[-1]) >= 25
+    ticks = {*ax.yaxis.get_majorticklocs(), *ax.yaxis.get_minorticklocs()}
+    assert ticks == set(range(30))  # every layer still has a tick
+
+
+@pytest.mark.parametrize(("sink", "recent"), [(0.3, 0.5), (0.15, 0.7)])
+def test_head_class_markers_and_importance(sink, recent):
+    _, datasets = make_run(4, num_heads=4)
+    fig = plots.plot_survey_head_class(datasets, sink_threshold=sink, recent_threshold=recent)
+    maps = panels(fig)
+    assert len(maps) == len(TIMESTEPS)
+    first = np.stack([numpy_first(ds) for ds in datasets], axis=1)  # step, layer, head
+    recent_mass = np.stack([numpy_recent(ds) for ds in datasets], axis=1)
+    importance = np.stack([numpy_importance(ds) for ds in datasets], axis=1)
+    classes_seen = set()
+    for step, ax in enumerate(maps):
+        np.testing.assert_allclose(mesh_values(ax), importance[step], rtol=1e-6)
+        markers = {
+            collection.get_label(): {(int(y), int(x)) for x, y in collection.get_offsets()}
+            for collection in ax.collections
+            if isinstance(collection, PathCollection)
+        }
+        is_sink = first[step] >= sink
+        is_recent = ~is_sink & (recent_mass[step] >= recent)
+        assert markers["sink"] == set(zip(*np.nonzero(is_sink), strict=True))
+        assert markers["recent"] == set(zip(*np.nonzero(is_recent), strict=True))
+        classes_seen |= {name for name, cells in markers.items() if cells}
+        classes_seen |= {"spread"} if (~is_sink & ~is_recent).any() else set()
+    assert classes_seen == {"sink", "recent", "spread"}, "the data must exercise every class"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [
+        f"sink: first-frame mass ≥ {sink:g}",
+        f"recent: own-block mass ≥ {recent:g}",
+        "spread: no marker",
+    ]
+
+
+def test_sink_rate_lines_are_the_sink_rates():
+    _, datasets = make_run(6, num_heads=5)
+    threshold = 0.2
+    (ax,) = plots.plot_survey_sink_rate(datasets, sink_threshold=threshold).axes
+    table = pd.concat([stats.frame_statistics(ds) for ds in datasets], ignore_index=True)
+    rates = stats.sink_rates(table, threshold)
+    labels = ["t=1000", "t=937.5", "t=833.33", "t=625", "cache"]
+    assert [line.get_label() for line in ax.lines] == labels
+    for step, line in enumerate(ax.lines):
+        expected = rates[rates["step"] == step].sort_values("layer")["sink_rate"].to_numpy()
+        np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
+        # Independently: the share of each layer's heads whose importance is >= the threshold.
+        shares = [(numpy_importance(ds)[step] >= threshold).mean() for ds in datasets]
+        np.testing.assert_allclose(line.get_ydata(), shares, rtol=1e-12)
+        # x is the 0-based layer, shifted sideways by less than half a layer.
+        np.testing.assert_array_equal(np.round(line.get_xdata()), np.arange(6))
+    assert len({tuple(line.get_xdata()) for line in ax.lines}) == len(ax.lines)
+    assert ax.get_xlabel() == "Layer (0-based)" and f"≥ {threshold:g}" in ax.get_ylabel()
+
+
+@pytest.mark.parametrize("step", [0, 4])
+def test_spatial_panels_are_the_strongest_sinks_in_order(step):
+    stores, datasets = make_run(4, num_heads=4)
+    fig = plots.plot_survey_spatial(datasets, attention=stores[::-1], step=step, top=5)
+    maps = panels(fig)
+    first = {
+        (layer, head): numpy_first(ds)[step, head]
+        for layer, ds in enumerate(datasets)
+        for head in range(4)
+    }
+    ranked = sorted(first, key=lambda key: -first[key])[:5]
+    assert ranked[:3] == list(PLANTED)  # strongest first, as planted
+    assert [ax.get_title() for ax in maps] == [
+        f"{plots.head_label(*key)} · first frame {first[key]:.2f}" for key in ranked
+    ]
+    tokens = GRID[0] * GRID[1]
+    for ax, (layer, head) in zip(maps, ranked, strict=True):
+        store = stores[layer]
+        rows = last_rows(datasets[layer])
+        key_mass = store["key_mass"].values[step, head][rows, :tokens]
+        expected = key_mass.mean(axis=0).reshape(GRID)
+        np.testing.assert_allclose(mesh_values(ax), expected, rtol=1e-6)
+        assert ax.get_ylim() == (GRID[0] - 0.5, -0.5)  # latent row 0 on top
+        if (layer, head) in PLANTED:
+            assert np.argmax(mesh_values(ax)) == hotspot(layer, head, tokens)
+    # The image of frame 0's tokens sums to the head's mass on frame 0.
+    for ax, key in zip(maps, ranked, strict=True):
+        assert mesh_values(ax).sum() == pytest.approx(first[key], rel=1e-5)
+    assert len([ax for ax in fig.axes if ax not in maps]) == 1  # one shared colorbar
+
+
+def test_first_frame_image_of_a_lazily_opened_store(tmp_path):
+    """A store as the survey writes it, opened lazily (dask): the image selects step, head, the
+    last block's query frames and frame 0's tokens by label and position alike."""
+    stores, datasets = make_run(2, num_heads=3)
+    paths = []
+    for store in stores:
+        path = tmp_path / f"layer{store.attrs['layer']}.zarr"
+        chunked = store["key_mass"].chunk({"step": 1, "head": 1, "query_frame": 3})
+        store.assign(key_mass=chunked).to_zarr(path, zarr_format=3)
+        mark_complete(path)
+        paths.append(path)
+    opened = [plots.open_attention_store(path) for path in paths]
+    assert all(store["key_mass"].chunks is not None for store in opened)  # lazy
+    image = plots.first_frame_image(opened[1], datasets[1], head=2, step=3)
+    rows = last_rows(datasets[1])
+    expected = stores[1]["key_mass"].values[3, 2][rows, : GRID[0] * GRID[1]].mean(axis=0)
+    np.testing.assert_allclose(image, expected.reshape(GRID), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def survey_outputs(folder: Path, layers, fmt: str = "svg") -> list[Path]:
+    return [Path(f.path) for f in figures.survey_figures(str(folder), layers, fmt)]
+
+
+def test_render_survey_figures(tmp_path):
+    stores, datasets = make_run(4, num_heads=4)
+    attention, frame_paths = write_run(tmp_path, stores, datasets)
+    out = tmp_path / "figures" / "demo" / "cat"
+    written = plots.render_figures(
+        frame_paths,
+        survey_outputs(out, range(4)),
+        heads=[(0, 0)],
+        attention_stores=attention,
+        sink_threshold=0.2,
+        recent_threshold=0.6,
+        step=2,
+    )
+    names = ["first_frame", "head_class", "sink_rate", "spatial"]
+    assert written == [out / f"survey_{name}.svg" for name in names]
+    wanted = {
+        "first_frame": ["step 0 · t=1000", "step 4 · cache pass", "Layer (0-based)", "Head"],
+        "head_class": ["sink: first-frame mass ≥ 0.2", "recent: own-block mass ≥ 0.6"],
+        "sink_rate": ["Sink rate (importance ≥ 0.2)", "Layer (0-based)", "t=833.33", "cache"],
+        "spatial": ["L2H1 · first frame", "step 2 · t=833.33", plots.TOKEN_MASS_LABEL],
+    }
+    for name, texts in wanted.items():
+        path = out / f"survey_{name}.svg"
+        found = svg_texts(path)
+        assert not svg_has_raster(path), f"{path.name} embeds a raster image"
+        for text in texts:
+            assert any(text in t for t in found), f"{text!r} missing from {path.name}"
+
+
+def test_survey_shows_the_surveyed_layers(tmp_path):
+    """Frame datasets of layers without an attention store (captured, not surveyed) are left out
+    of the survey; without any stores every frame dataset is surveyed."""
+    stores, datasets = make_run(4, num_heads=2)  # head labels 0 and 1 only
+    attention, frame_paths = write_run(tmp_path, stores, datasets)
+    out = tmp_path / "figures"
+    plots.render_figures(
+        frame_paths,
+        [out / "survey_first_frame.svg", out / "survey_spatial.svg"],
+        heads=[(0, 0)],
+        attention_stores=attention[1:3],
+    )
+    texts = svg_texts(out / "survey_first_frame.svg")
+    assert "2" in texts and "3" not in texts
+    titles = [t.split(" · ")[0] for t in svg_texts(out / "survey_spatial.svg") if " · first" in t]
+    assert titles[0] == "L2H1" and {title[:2] for title in titles} == {"L1", "L2"}
+    assert len(titles) == 4  # every head of the two surveyed layers, fewer than 8
+    plots.render_figures(frame_paths, [out / "survey_first_frame.svg"], heads=[(0, 0)])
+    assert "3" in svg_texts(out / "survey_first_frame.svg")  # layer 3 on the axis
+
+
+def test_bad_survey_requests_fail_before_writing(tmp_path):
+    stores, datasets = make_run(3, num_heads=2)
+    attention, frame_paths = write_run(tmp_path, stores, datasets)
+    out = tmp_path / "figures"
+    outputs = survey_outputs(out, range(3))
+
+    def render(frames=frame_paths, stores=attention, **options):
+        return plots.render_figures(
+            frames, outputs, heads=[(0, 0)], attention_stores=stores, **options
+        )
+
+    with pytest.raises(ValueError, match=r"layer1 given twice"):
+        render(stores=[*attention, attention[1]])
+    with pytest.raises(ValueError, match=r"lacks layers \[0, 1, 2\]"):
+        render(stores=[])
+    with pytest.raises(ValueError, match=r"stores \['demo/cat/layer2'\] have no frame dataset"):
+        render(frames=frame_paths[:2])
+    with pytest.raises(ValueError, match="step 7"):
+        render(step=7)
+    other_store, other_ds = make_survey(2, prompt="dog")
+    other = write_run(tmp_path / "other", [other_store], [other_ds])[0][0]
+    with pytest.raises(ValueError, match="demo/dog/layer2'] have no frame dataset"):
+        render(stores=[*attention[:2], other])
+    with pytest.raises(ValueError, match="not of the run demo/cat"):
+        plots.plot_survey_spatial(datasets, attention=[*stores[:2], other_store])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        render(stores=[tmp_path / "nowhere.zarr"])
+    unfinished = tmp_path / "unfinished.zarr"
+    stores[0].to_zarr(unfinished, zarr_format=3)  # never marked complete
+    with pytest.raises(ValueError, match="not marked complete"):
+        render(stores=[unfinished, *attention[1:]])
+    assert not out.exists(), "a failed request must not leave figures behind"
+
+
+def test_survey_figures_same_data_same_bytes(tmp_path):
+    stores, datasets = make_run(3, num_heads=3)
+    builds = {
+        "first_frame": lambda: plots.plot_survey_first_frame(datasets),
+        "head_class": lambda: plots.plot_survey_head_class(datasets),
+        "sink_rate": lambda: plots.plot_survey_sink_rate(datasets),
+        "spatial": lambda: plots.plot_survey_spatial(datasets, attention=stores),
+        "sink_rate_runs": lambda: plots.plot_survey_sink_rate_runs(datasets),
+    }
+    for name, build in builds.items():
+        first = plots.save_figure(build(), tmp_path / f"{name}_a.svg").read_bytes()
+        second = plots.save_figure(build(), tmp_path / f"{name}_b.svg").read_bytes()
+        assert first == second, name
+
+
+def test_figures_script_reads_the_named_inputs(tmp_path):
+    """scripts/figures.py as the rules run it: inputs frames= and attention=, params figures=
+    and stats= (whose thresholds reach the head classes; the figures and compare_figures rules,
+    whose figures read no threshold, need neither attention= nor stats=)."""
+    stores, datasets = make_run(3, num_heads=2)
+    attention, frame_paths = write_run(tmp_path, stores, datasets)
+    out = tmp_path / "figures"
+    outputs = [str(path) for path in survey_outputs(out, range(3))]
+
+    class Named(list):
+        def __init__(self, items=(), **named):
+            lists = (value for value in named.values() if isinstance(value, list))
+            super().__init__([*items, *(item for value in lists for item in value)])
+            self.__dict__.update(named)
+
+        def get(self, key, default=None):
+            return self.__dict__.get(key, default)
+
+    figures_options = {
+        "heads": [[0, 1]],
+        "measure": "logits",
+        "frame_axis": "latent",
+        "step": 1,
+        "format": "svg",
+    }
+    snakemake = SimpleNamespace(
+        input=Named(frames=[str(p) for p in frame_paths], attention=[str(p) for p in attention]),
+        output=Named(outputs),
+        log=Named([str(tmp_path / "figures.log")]),
+        params=Named(
+            figures=figures_options,
+            stats={"sink_threshold": 0.05, "recent_threshold": 0.9, "query": "last_block"},
+        ),
+    )
+    runpy.run_path(str(REPO / "scripts" / "figures.py"), init_globals={"snakemake": snakemake})
+    assert sorted(p.name for p in out.iterdir()) == sorted(Path(p).name for p in outputs)
+    assert any("≥ 0.05" in t for t in svg_texts(out / "survey_head_class.svg"))
+    assert any("step 1 · t=937.5" in t for t in svg_texts(out / "survey_spatial.svg"))
+    # Run figures need only the frames and figures=.
+    snakemake.input = Named(frames=[str(p) for p in frame_paths])
+    snakemake.output = Named([str(out / "statistics.svg")])
+    snakemake.params = Named(figures=figures_options)
+    runpy.run_path(str(REPO / "scripts" / "figures.py"), init_globals={"snakemake": snakemake})
+    assert (out / "statistics.svg").is_file()
+
+
+def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
+    runs = [("self_forcing", "cat"), ("self_forcing", "sea"), ("causvid", "cat")]
+    stores, frame_paths = [], []
+    for i, (checkpoint, prompt) in enumerate(runs):
+        # Each run its own seed: its own random heads, and so its own sink rates.
+        run_stores, run_datasets = zip(
+            *[
+                make_survey(layer, checkpoint=checkpoint, prompt=prompt, seed=i)
+                for layer in range(3)
+            ],
+            strict=True,
+        )
+        paths = write_run(tmp_path, run_stores, run_datasets)
+        stores += paths[0]
+        frame_paths += paths[1]
+    threshold, step = 0.2, 3
+    out = tmp_path / "compare"
+    (path,) = plots.render_figures(
+        frame_paths,
+        [Path(f.path) for f in figures.survey_compare_figures(str(out), range(3), "svg")],
+        heads=[(9, 9)],  # compare figures of figures.heads are not drawn: no check of them
+        attention_stores=stores,
+        sink_threshold=threshold,
+        step=step,
+    )
+    assert path == out / "survey_sink_rate_runs.svg" and not svg_has_raster(path)
+    assert "t=625" in " ".join(svg_texts(path))
+    datasets = [plots.open_frame_dataset(p) for p in frame_paths]
+    fig = plots.plot_survey_sink_rate_runs(datasets, sink_threshold=threshold, step=step)
+    (ax,) = fig.axes
+    assert [line.get_label() for line in ax.lines] == [f"{c} · {p}" for c, p in runs]
+    for line, (checkpoint, prompt) in zip(ax.lines, runs, strict=True):
+        of_run = [
+            ds
+            for ds in datasets
+            if (str(ds["checkpoint"].values), str(ds["prompt"].values)) == (checkpoint, prompt)
+        ]
+        shares = [(numpy_importance(ds)[step] >= threshold).mean() for ds in of_run]
+        np.testing.assert_allclose(line.get_ydata(), shares, rtol=1e-12)
+        np.testing.assert_array_equal(np.round(line.get_xdata()), np.arange(3))
+    colors = [line.get_color() for line in ax.lines]
+    assert colors[0] == colors[1] != colors[2]  # colour: checkpoint
+    markers = [line.get_marker() for line in ax.lines]
+    assert markers[0] == markers[2] != markers[1]  # marker: prompt
+    assert len({tuple(np.round(line.get_ydata(), 6)) for line in ax.lines}) > 1, "runs differ"
