@@ -129,24 +129,34 @@ def _checkpoint_folder(root, **config) -> str:
     return str(root)
 
 
+def _with_checkpoint(base):
+    """The demo config and a user checkpoint `sf`, of another depth: so the survey is a list."""
+
+    def change(config):
+        config["checkpoints"].update(sf={"base": base})
+        config["capture"].update(survey=[0, 1])
+
+    return change
+
+
 def test_num_heads_against_what_the_checkpoint_fixes(tmp_path, capsys):
     wrong = _checkpoint_folder(
         tmp_path / "wrong", dim=1536, ffn_dim=8960, num_heads=24, text_dim=32
     )
     with pytest.raises(ConfigError) as raised:
-        checked(lambda c: c["checkpoints"].update(sf={"base": wrong}))
+        checked(_with_checkpoint(wrong))
     message = str(raised.value)
     assert f"checkpoints.sf.base: {wrong}/config.json: num_heads=24" in message
     assert "every Wan2.1 model of dim 1536 has 12 heads" in message
     # A width no released model has: num_heads cannot be decided, so a warning, not an error.
     odd = _checkpoint_folder(tmp_path / "odd", dim=1024, ffn_dim=4096, num_heads=16, text_dim=32)
-    checked(lambda c: c["checkpoints"].update(sf={"base": odd}))
+    checked(_with_checkpoint(odd))
     assert f"warning: checkpoints.sf.base: {odd}/config.json: num_heads=16 gives head_dim=64" in (
         capsys.readouterr().err
     )
     right = _checkpoint_folder(
         tmp_path / "right", dim=1536, ffn_dim=8960, num_heads=12, text_dim=32
     )
-    checked(lambda c: c["checkpoints"].update(sf={"base": right}))
+    checked(_with_checkpoint(right))
     assert "warning" not in capsys.readouterr().err
     assert not os.path.exists("results/demo/sf")

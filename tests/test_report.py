@@ -21,7 +21,9 @@ import pytest
 import yaml
 
 from sinkscope.analysis import figures
+from sinkscope.workflow.entries import survey_layers
 
+from .test_config import checked
 from .workflowtools import REPO, demo_copy, snakemake
 
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
@@ -32,6 +34,7 @@ FORMAT = CONFIG["figures"]["format"]
 LAYERS = sorted(CONFIG["layers"])
 RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
 HEAD_LAYERS = sorted({layer for layer, _ in CONFIG["figures"]["heads"]})
+SURVEY_LAYERS = survey_layers(checked())  # `all`: every layer of the demo model
 
 
 def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
@@ -40,10 +43,18 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
     expected = {}
     for checkpoint, prompt in RUNS:
         folder = f"results/figures/{checkpoint}/{prompt}"
-        for figure in figures.run_figures(folder, LAYERS, HEAD_LAYERS, FORMAT):
+        run = [
+            *figures.run_figures(folder, LAYERS, HEAD_LAYERS, FORMAT),
+            *figures.survey_figures(folder, SURVEY_LAYERS, FORMAT),
+        ]
+        for figure in run:
             caption = figure.kind.caption.removesuffix(".rst")
             expected[figure.path] = (f"{checkpoint} / {prompt}", caption, figure.labels)
-    for figure in figures.compare_figures("results/figures/compare", LAYERS, HEAD_LAYERS, FORMAT):
+    compare = [
+        *figures.compare_figures("results/figures/compare", LAYERS, HEAD_LAYERS, FORMAT),
+        *figures.survey_compare_figures("results/figures/compare", SURVEY_LAYERS, FORMAT),
+    ]
+    for figure in compare:
         caption = figure.kind.caption.removesuffix(".rst")
         expected[figure.path] = ("across checkpoints and prompts", caption, figure.labels)
     return expected
@@ -118,8 +129,9 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     results = embedded(page, "results")
     categories = embedded(page, "categories")
     expected = expected_figures()
-    # figure4, 3 per layer, layer_comparison and statistics per run; 3 across runs.
-    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2) + 3 == 39
+    # figure4, 3 per token layer, layer_comparison, statistics and 4 survey figures per run; 3
+    # across runs and the survey's sink rates of every run.
+    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2 + 4) + 3 + 1 == 56
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():

@@ -15,7 +15,7 @@ import xarray as xr
 from matplotlib.collections import PathCollection, QuadMesh
 
 from sinkscope import frames
-from sinkscope.analysis import figures, plots, stats
+from sinkscope.analysis import figures, plots, reduce, stats
 from sinkscope.storage import mark_complete
 
 from .workflowtools import REPO
@@ -407,7 +407,7 @@ def test_first_frame_image_of_a_lazily_opened_store(tmp_path):
         store.assign(key_mass=chunked).to_zarr(path, zarr_format=3)
         mark_complete(path)
         paths.append(path)
-    opened = [plots.open_attention_store(path) for path in paths]
+    opened = [reduce.open_attention_store(path) for path in paths]
     assert all(store["key_mass"].chunks is not None for store in opened)  # lazy
     image = plots.first_frame_image(opened[1], datasets[1], head=2, step=3)
     rows = last_rows(datasets[1])

@@ -189,7 +189,7 @@ def test_every_output_a_user_opens_is_restored_by_a_plain_rerun(demo_run, tmp_pa
     (workdir / "results/stats/sink_rate.csv").unlink()
     (workdir / "results/figures/demo_b/harbor/layer2_frame_maps.svg").unlink()
     jobs = planned_jobs(workdir)
-    assert ("reduce", "checkpoint=demo_a, prompt=eagle, layer=0") in jobs
+    assert ("reduce_attention", "checkpoint=demo_a, prompt=eagle") in jobs
     assert ("summary", "") in jobs
     assert ("figures", "checkpoint=demo_b, prompt=harbor") in jobs
     assert not {rule for rule, _ in jobs} & {"extract", "encode_prompt"}

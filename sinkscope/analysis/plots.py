@@ -33,8 +33,8 @@ from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
 from sinkscope.analysis import figures, stats
-from sinkscope.analysis.reduce import open_frame_dataset
-from sinkscope.storage import ATTRIBUTES_CHECKSUM, atomic_path, attributes_checksum
+from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
+from sinkscope.storage import atomic_path
 
 MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
 PROFILE_LABELS = {
@@ -1220,38 +1220,6 @@ def plot_survey_spatial(
     fig.supxlabel(f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video")
     _colorbar(fig, mesh, axes, TOKEN_MASS_LABEL)
     return fig
-
-
-def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
-    """Open an attention store (Contract 4) lazily, checking its attributes (checksum where it has
-    one, the `complete` mark) and that it has what the survey figures read; errors name the
-    path."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"attention store not found: {path}")
-    try:
-        store = xr.open_zarr(path)
-    except Exception as err:
-        raise ValueError(f"attention store {path} cannot be read ({err})") from err
-    attrs = store.attrs
-    if ATTRIBUTES_CHECKSUM in attrs and attrs[ATTRIBUTES_CHECKSUM] != attributes_checksum(attrs):
-        raise ValueError(
-            f"attention store {path}: its attributes fail their checksum; re-run its capture"
-        )
-    if attrs.get("complete") is not True:
-        raise ValueError(
-            f"attention store {path}: not marked complete: its capture was killed or is still "
-            "running; re-run it"
-        )
-    missing = [name for name in ("key_mass", "timestep", "query_frame") if name not in store]
-    missing += [
-        name
-        for name in ("checkpoint", "prompt", "layer", "frame_seq_length", "latent_grid")
-        if name not in attrs
-    ]
-    if missing:
-        raise ValueError(f"attention store {path} lacks {missing}")
-    return store
 
 
 # --------------------------------------------------------------------------------------------

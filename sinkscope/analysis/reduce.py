@@ -761,6 +761,27 @@ def _unreadable_frames(path: Path, err: Exception, name: str | None = None) -> V
     )
 
 
+def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
+    """Open an attention store (Contract 4) lazily (key_mass stays on disk), checking its
+    metadata copies, attribute checksum, `complete` mark and layout; errors name the path."""
+    path = Path(path)
+    kind = STORE_NAMES["attention"]
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(f"{kind} not found: {path}")
+    _check_metadata_copies(kind, path)
+    try:
+        store = xr.open_zarr(path)
+    except Exception as err:
+        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
+    _check_attention_store(path, store)
+    missing = [
+        name for name in ("checkpoint", "prompt", "layer", "latent_grid") if name not in store.attrs
+    ]
+    if missing:
+        raise ValueError(f"{kind} {path}: missing group attributes {missing}")
+    return store
+
+
 FRAME_VARIABLES = ("logit_mean", "prob_mass", "entropy", "timestep", "pass_kind", "block")
 
 

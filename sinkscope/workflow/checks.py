@@ -139,12 +139,13 @@ def check_config(config: dict) -> None:
     _check_integers(config)
     _check_prompts(config)
     _check_checkpoint_files(config)
-    surveyed = survey_layers(config)  # reads every checkpoint's config for `all`
-    _check_layers(config, surveyed)
-    for name in config["checkpoints"]:
-        model = model_config(config, name)
+    models = {name: model_config(config, name) for name in config["checkpoints"]}
+    for name, model in models.items():
         if not is_demo_checkpoint(config, name):
             _check_num_heads(config, name, model)
+    surveyed = survey_layers(config)  # compares the checkpoints' depths for `all`
+    _check_layers(config, surveyed)
+    for name, model in models.items():
         num_layers = model.num_layers
         num_heads = model.num_heads
         for key, layers in (("layers", config["layers"]), ("capture.survey", surveyed)):
