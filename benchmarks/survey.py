@@ -34,7 +34,7 @@ for each (step, head, query frame), is NaN exactly on the keys the query frame c
 entropies lie in [0, log(visible keys)], and the arrays' logical bytes are `attention_store_bytes`.
 Ratios are of one run; not a test.
 
-    python benchmarks/survey.py                        # 30 layers, 1 head, all passes: ~15 min
+    python benchmarks/survey.py                        # 30 layers, 1 head, all passes: ~11 min
     python benchmarks/survey.py --layers 2 --frames 6  # a quick look (~1 min)
     python benchmarks/survey.py --repeat 3
 """

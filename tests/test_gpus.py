@@ -124,15 +124,17 @@ def overlaps(runs: list[tuple]) -> list[tuple]:
 
 @pytest.mark.workflow
 def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path):
-    """`--resources gpu=2` with two (fake) GPUs: two extraction jobs overlap in time, each on a
-    GPU of its own, as their stores record; the default profile's gpu=1 runs one at a time."""
+    """`--resources gpu=2` with two (fake) GPUs: two extraction or survey jobs overlap in time,
+    each on a GPU of its own, as their stores record; the default profile's gpu=1 runs one at a
+    time."""
     import os
 
     from .workflowtools import demo_copy, snakemake
 
     workdir = demo_copy(demo_run, tmp_path / "w")
     stores = [
-        f"results/logits/{c}/{p}/layer0.zarr"
+        f"results/{kind}/{c}/{p}/layer0.zarr"
+        for kind in ("logits", "attention")  # token and survey jobs share the GPUs
         for c in ("demo_a", "demo_b")
         for p in ("eagle", "harbor")
     ]
@@ -144,7 +146,16 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
     # Targets before --forcerun, which takes every word after it.
     # Four cores, two GPUs: only the gpu resource limits how many run at once.
     result = snakemake(
-        workdir, *stores, "--cores", "4", "--resources", "gpu=2", "--forcerun", "extract", env=env
+        workdir,
+        *stores,
+        "--cores",
+        "4",
+        "--resources",
+        "gpu=2",
+        "--forcerun",
+        "extract",
+        "survey",
+        env=env,
     )
     runs = extraction_runs(workdir, stores)
     overlapping = overlaps(runs)
@@ -156,5 +167,6 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
         assert sum(s <= start < e for s, e, _ in runs) <= 2
 
     # The default profile (gpu: 1): the same two GPUs, one job at a time.
-    snakemake(workdir, *stores[:2], "--cores", "4", "--forcerun", "extract", env=env)
-    assert overlaps(extraction_runs(workdir, stores[:2])) == []
+    serial = [stores[0], stores[4]]  # one token store, one survey
+    snakemake(workdir, *serial, "--cores", "4", "--forcerun", "extract", "survey", env=env)
+    assert overlaps(extraction_runs(workdir, serial)) == []
