@@ -48,8 +48,9 @@ if SURVEY_LAYERS:
             runtime=lambda wildcards: survey_runtime(config, wildcards.checkpoint),
         params:
             layers=SURVEY_LAYERS,
+            store="attention",
             settings=lambda wildcards: extraction_settings(
                 config, wildcards.checkpoint, store="attention"
             ),
         script:
-            "../scripts/survey.py"
+            "../scripts/extract.py"

@@ -1,4 +1,5 @@
-"""Snakemake adapter: rule extract."""
+"""Snakemake adapter: rules extract (the token store of wildcard `layer`) and survey (params
+`layers` and `store`: the attention stores of every surveyed layer)."""
 
 import torch
 
@@ -11,7 +12,8 @@ with job_log(snakemake.log[0]):
         checkpoint_name=snakemake.wildcards.checkpoint,
         prompt_name=snakemake.wildcards.prompt,
         prompt_embeddings=snakemake.input.prompt,
-        layers=[int(snakemake.wildcards.layer)],
-        outputs=[snakemake.output[0]],
+        layers=snakemake.params.get("layers") or [int(snakemake.wildcards.layer)],
+        outputs=list(snakemake.output),
         settings=snakemake.params.settings,
+        store=snakemake.params.get("store", "tokens"),
     )

@@ -15,7 +15,7 @@ import xarray as xr
 from sinkscope.extraction.capture import LogitCapture
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.sampling import SELF_FORCING, rollout
-from sinkscope.extraction.store import TokenStoreWriter, partial_path
+from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter, partial_path
 from sinkscope.frames import block_starts, visible_frames
 from sinkscope.passes import resolve_passes
 from sinkscope.wan.checkpoint import save_wan_model
@@ -30,8 +30,12 @@ GRID_HW = (2, 3)
 STORE_ATTRS = {"frame_seq_length": T, "num_frames": 6, "block_sizes": [2, 2, 2], "layer": 1}
 
 
-def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=0, tokens=True):
-    """Roll out with the capture of one layer, recording that layer's pre-RoPE q and k."""
+def _capture_rollout(
+    model, text, path, layer, *, local_attn_size=-1, sink_size=0, tokens=True, store="tokens"
+):
+    """Roll out with the capture of one layer into a store of kind `store` (`tokens`, or an
+    `attention` store, computed 4 query rows at a time so that a tile takes several chunks),
+    recording that layer's pre-RoPE q and k."""
     records = []
     attn = model.blocks[layer].self_attn
     handles = [
@@ -39,17 +43,20 @@ def _capture_rollout(model, text, path, layer, *, local_attn_size=-1, sink_size=
         attn.norm_k.register_forward_hook(lambda m, a, out: records.append(["k", out.clone()])),
     ]
     passes = resolve_passes("all", 4)
-    writer = TokenStoreWriter(
-        path,
+    common = dict(
         num_heads=TINY.num_heads,
         num_frames=TINY_GEOMETRY.num_frames,
         frame_seq_length=T,
         timesteps=SELF_FORCING.pass_timesteps(),
         pass_kinds=SELF_FORCING.pass_kinds(),
         attrs=STORE_ATTRS,
-        tokens=tokens,
     )
-    capture = LogitCapture({layer: writer}, passes, T, TINY.head_dim)
+    if store == "attention":
+        frames_per_block = TINY_GEOMETRY.frames_per_block
+        writer = AttentionStoreWriter(path, frames_per_block=frames_per_block, **common)
+    else:
+        writer = TokenStoreWriter(path, tokens=tokens, **common)
+    capture = LogitCapture({layer: writer}, passes, T, TINY.head_dim, softmax_rows=4)
     model.set_capture(capture, {layer})
     with writer:
         rollout(
@@ -150,11 +157,15 @@ def test_failed_write_leaves_no_store(tmp_path):
     assert not store.exists() and not partial_path(store).exists()
 
 
-def _write_inputs(tmp_path):
+def _write_inputs(tmp_path, model=None, video=None):
+    """A checkpoint of `model` (default: the tiny one), prompt embeddings and the extraction
+    settings of `video` (default: 6 frames of 2 x 3 tokens in blocks of 2)."""
+    model = model if model is not None else make_tiny_model(seed=4)
+    cfg = model.config
     base = tmp_path / "ckpt"
-    save_wan_model(make_tiny_model(seed=4), base)
+    save_wan_model(model, base)
     prompt = tmp_path / "prompt.safetensors"
-    embeds = torch.randn(TINY.text_len, TINY.text_dim, generator=torch.Generator().manual_seed(1))
+    embeds = torch.randn(cfg.text_len, cfg.text_dim, generator=torch.Generator().manual_seed(1))
     save_prompt_embedding(prompt, embeds, prompt="a test prompt", length=5)
     settings = {
         "checkpoint": {"base": str(base)},
@@ -165,7 +176,8 @@ def _write_inputs(tmp_path):
             "local_attn_size": -1,
             "sink_size": 0,
         },
-        "video": {"num_frames": 6, "frames_per_block": 2, "latent_height": 4, "latent_width": 6},
+        "video": video
+        or {"num_frames": 6, "frames_per_block": 2, "latent_height": 4, "latent_width": 6},
         "capture": {"passes": "all"},
         "seed": 42,
         "device": "cpu",

@@ -30,6 +30,25 @@ def result_files(workdir: Path) -> dict[str, bytes]:
     }
 
 
+def kill_while_making(workdir: Path, target: str, point: str) -> None:
+    """Run the job that makes `target` (forced) until the fault at `point` kills the whole run."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
+        "SINKSCOPE_KILL_AT": point,
+    }
+    killed = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", target, "--forcerun", target],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+
+
 @pytest.mark.parametrize(
     ("target", "point"),
     [
@@ -51,21 +70,7 @@ def result_files(workdir: Path) -> dict[str, bytes]:
 )
 def test_a_killed_job_reruns_to_a_clean_run(demo_run, tmp_path, target, point):
     workdir = demo_copy(demo_run, tmp_path / "w")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
-        "SINKSCOPE_KILL_AT": point,
-    }
-    killed = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "1", target, "--forcerun", target],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    kill_while_making(workdir, target, point)
     output = workdir / target
     if point != "after-rename":
         assert not output.exists(), "a killed job left its output"
@@ -90,21 +95,7 @@ def test_a_killed_survey_reruns_to_the_same_attention(demo_run, tmp_path, point)
 
     workdir = demo_copy(demo_run, tmp_path / "w")
     target = "results/attention/demo_a/eagle/layer0.zarr"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
-        "SINKSCOPE_KILL_AT": point,
-    }
-    killed = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "1", target, "--forcerun", target],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    kill_while_making(workdir, target, point)
     stores = sorted((workdir / "results/attention/demo_a/eagle").glob("layer*.zarr"))
     assert stores == [], "a killed survey left a store"
     snakemake(workdir, "--unlock")

@@ -15,10 +15,9 @@ from sinkscope.analysis.reduce import (
     reduce_attention_store,
     reduce_token_store,
 )
-from sinkscope.extraction.capture import LogitCapture, softmax_reductions
+from sinkscope.extraction.capture import softmax_reductions
 from sinkscope.extraction.job import extract
-from sinkscope.extraction.sampling import SELF_FORCING, rollout
-from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter, partial_path
+from sinkscope.extraction.store import AttentionStoreWriter, partial_path
 from sinkscope.frames import (
     attention_store_bytes,
     attention_store_disk_bytes,
@@ -26,14 +25,11 @@ from sinkscope.frames import (
     token_store_bytes,
     visible_frames,
 )
-from sinkscope.passes import resolve_passes
-from sinkscope.wan.checkpoint import save_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.demo import DEMO_MODEL
-from sinkscope.wan.text import save_prompt_embedding
 
 from .conftest import TINY, TINY_GEOMETRY, make_tiny_model
-from .test_capture import STORE_ATTRS, T, _roped
+from .test_capture import T, _capture_rollout, _roped, _write_inputs
 from .test_reduce import brute_force
 
 
@@ -59,50 +55,6 @@ def test_softmax_reductions_equal_float64_brute_force(row_chunk):
     np.testing.assert_allclose(entropy.numpy(), expected_entropy, rtol=0, atol=1e-5)
     assert abs(float(key_mass.sum()) - 1) < 1e-5
     assert expected_entropy.min() < 0.5 < expected_entropy.max()  # peaked and flat rows both
-
-
-def _capture(model, text, path, layer, *, store, local_attn_size, sink_size):
-    """Roll out capturing one layer into a store of kind `store`, recording its q and k."""
-    records = []
-    attn = model.blocks[layer].self_attn
-    handles = [
-        attn.norm_q.register_forward_hook(lambda m, a, out: records.append(["q", out.clone()])),
-        attn.norm_k.register_forward_hook(lambda m, a, out: records.append(["k", out.clone()])),
-    ]
-    common = dict(
-        num_heads=TINY.num_heads,
-        num_frames=TINY_GEOMETRY.num_frames,
-        frame_seq_length=T,
-        timesteps=SELF_FORCING.pass_timesteps(),
-        pass_kinds=SELF_FORCING.pass_kinds(),
-        attrs={**STORE_ATTRS, "layer": layer},
-    )
-    if store == "attention":
-        writer = AttentionStoreWriter(
-            path, frames_per_block=TINY_GEOMETRY.frames_per_block, **common
-        )
-    else:
-        writer = TokenStoreWriter(path, **common)
-    # Small row chunks, so that a tile takes several of them.
-    capture = LogitCapture({layer: writer}, resolve_passes("all", 4), T, TINY.head_dim, 4)
-    model.set_capture(capture, {layer})
-    with writer:
-        rollout(
-            model,
-            text,
-            geometry=TINY_GEOMETRY,
-            local_attn_size=local_attn_size,
-            sink_size=sink_size,
-            seed=2,
-            on_pass=capture.begin_pass,
-            progress=False,
-        )
-    model.set_capture(None)
-    for h in handles:
-        h.remove()
-    qs = [r[1][0] for r in records if r[0] == "q"]
-    ks = [r[1][0] for r in records if r[0] == "k"]
-    return list(zip(qs, ks, strict=True))
 
 
 def _brute_attention(calls, local_attn_size, sink_size):
@@ -145,8 +97,8 @@ def test_both_stores_reduce_to_the_float64_brute_force(
 ):
     window = dict(local_attn_size=local_attn_size, sink_size=sink_size)
     attention, tokens = tmp_path / "attention.zarr", tmp_path / "tokens.zarr"
-    calls = _capture(tiny_model, tiny_text, attention, 1, store="attention", **window)
-    _capture(make_tiny_model(), tiny_text, tokens, 1, store="tokens", **window)
+    calls = _capture_rollout(tiny_model, tiny_text, attention, 1, store="attention", **window)
+    _capture_rollout(make_tiny_model(), tiny_text, tokens, 1, **window)
     key_mass, entropy = _brute_attention(calls, **window)
 
     stored = xr.open_zarr(attention)  # plain xarray opens Contract 4
@@ -183,29 +135,10 @@ def test_both_stores_reduce_to_the_float64_brute_force(
 
 
 def _demo_inputs(tmp_path):
+    """The embedded default's model and geometry (config.yaml, wan/demo.py)."""
     cfg = WanConfig.from_dict(DEMO_MODEL, source="demo model")
-    base = tmp_path / "demo"
-    save_wan_model(make_tiny_model(seed=1, cfg=cfg), base)
-    prompt = tmp_path / "prompt.safetensors"
-    g = torch.Generator().manual_seed(1)
-    embeds = torch.randn(cfg.text_len, cfg.text_dim, generator=g)
-    save_prompt_embedding(prompt, embeds, prompt="a demo prompt", length=12)
-    settings = {
-        "checkpoint": {"base": str(base)},
-        "sampler": {
-            "steps": [1000, 750, 500, 250],
-            "shift": 5.0,
-            "warp": True,
-            "local_attn_size": -1,
-            "sink_size": 0,
-        },
-        # The embedded default's geometry (config.yaml).
-        "video": {"num_frames": 21, "frames_per_block": 3, "latent_height": 8, "latent_width": 12},
-        "capture": {"passes": "all"},
-        "seed": 42,
-        "device": "cpu",
-    }
-    return prompt, settings
+    video = {"num_frames": 21, "frames_per_block": 3, "latent_height": 8, "latent_width": 12}
+    return _write_inputs(tmp_path, make_tiny_model(seed=1, cfg=cfg), video)
 
 
 def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):

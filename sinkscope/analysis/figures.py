@@ -191,20 +191,18 @@ def compare_figures(
 def survey_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
     """Every survey file of one (checkpoint, prompt) in `folder` (the run's figure folder), in
     registry order, each showing every layer of `survey_layers`; none without surveyed layers."""
-    _check_format(fmt)
-    shown = tuple(sorted({int(layer) for layer in survey_layers}))
-    if not shown:
-        return []
-    return [
-        FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, shown)
-        for kind in FIGURES.values()
-        if kind.scope == "survey"
-    ]
+    return _survey_files(folder, survey_layers, fmt, lambda kind: kind.scope == "survey")
 
 
 def survey_compare_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
     """Every file comparing the surveys of several runs, in `folder` (e.g.
     results/figures/compare), showing `survey_layers`; none without surveyed layers."""
+    return _survey_files(
+        folder, survey_layers, fmt, lambda kind: kind.scope == "compare" and kind.surveyed
+    )
+
+
+def _survey_files(folder, survey_layers, fmt, wanted) -> list[FigureFile]:
     _check_format(fmt)
     shown = tuple(sorted({int(layer) for layer in survey_layers}))
     if not shown:
@@ -212,7 +210,7 @@ def survey_compare_figures(folder: str, survey_layers: Sequence[int], fmt: str) 
     return [
         FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, shown)
         for kind in FIGURES.values()
-        if kind.scope == "compare" and kind.surveyed
+        if wanted(kind)
     ]
 
 

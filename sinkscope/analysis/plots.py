@@ -994,6 +994,15 @@ def plot_survey_head_class(
     return fig
 
 
+def _sink_rate_axes(ax: Axes, sink_threshold: float, title: str) -> None:
+    """The axes of a sink rate per layer: rates 0..1, integer layers."""
+    ax.set_ylim(-0.04, 1.04)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.set_xlabel("Layer (0-based)")
+    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
+    ax.set_title(title)
+
+
 @_styled
 def plot_survey_sink_rate(datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3) -> Figure:
     """Sink rate per layer (`stats.sink_rates`: the share of heads whose importance of frame 0 is
@@ -1022,11 +1031,7 @@ def plot_survey_sink_rate(datasets: Sequence[xr.Dataset], *, sink_threshold: flo
             marker="o",
             label=label,
         )
-    ax.set_ylim(-0.04, 1.04)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
-    ax.set_xlabel("Layer (0-based)")
-    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
-    ax.set_title("Share of heads that are sinks, per layer")
+    _sink_rate_axes(ax, sink_threshold, "Share of heads that are sinks, per layer")
     fig.legend(loc="outside right upper", title="Step")
     num_heads = len(next(iter(layers.values()))["head"])
     fig.suptitle(_survey_title(layers, f"{num_heads} heads per layer"))
@@ -1077,11 +1082,9 @@ def plot_survey_sink_rate_runs(
             marker=markers[prompt],
             label=f"{checkpoint} · {prompt}",
         )
-    ax.set_ylim(-0.04, 1.04)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
-    ax.set_xlabel("Layer (0-based)")
-    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
-    ax.set_title("Share of heads that are sinks, per layer, every surveyed run")
+    _sink_rate_axes(
+        ax, sink_threshold, "Share of heads that are sinks, per layer, every surveyed run"
+    )
     fig.legend(loc="outside right upper", title="Checkpoint · prompt")
     fig.suptitle(f"Survey sink rates · step {int(step)} · {_compare_title(datasets, step)}")
     return fig
