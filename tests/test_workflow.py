@@ -134,16 +134,27 @@ def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path)
 
 def test_token_stores_are_temporary_unless_kept(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
-    # Token stores of layers that are not surveyed (1 and 3 here) are reduced, then deleted.
-    edit_config(workdir, lambda c: (c.update(layers=[1, 3]), c["capture"].update(survey=[0, 2])))
+
+    # Token stores of layers that are not surveyed (1 and 3 here) are reduced, then deleted; one
+    # checkpoint and prompt keep it short.
+    def token_layers_1_and_3(config):
+        config.update(layers=[1, 3], checkpoints={"demo_a": config["checkpoints"]["demo_a"]})
+        config.update(prompts={"eagle": config["prompts"]["eagle"]})
+        config["capture"].update(survey=[0, 2])
+
+    edit_config(workdir, token_layers_1_and_3)
     snakemake(workdir)
     edit_config(workdir, lambda c: c["capture"].update(keep_tokens=False))
     assert planned_jobs(workdir) == set()  # keeping or not does not change any result
     snakemake(workdir, "--delete-temp-output")
-    assert not list((workdir / "results/logits").rglob("layer[13].zarr"))
-    frames = list((workdir / "results/frames").rglob("layer*.zarr"))
-    assert len(frames) == 16
-    assert {xr.open_zarr(f).attrs["store"] for f in frames} == {"tokens", "attention"}
+    assert not list((workdir / "results/logits/demo_a/eagle").glob("layer[13].zarr"))
+    frames = sorted((workdir / "results/frames/demo_a/eagle").glob("layer*.zarr"))
+    assert [xr.open_zarr(f).attrs["store"] for f in frames] == [
+        "attention",
+        "tokens",
+        "attention",
+        "tokens",
+    ]
     assert planned_jobs(workdir) == set()
 
 
