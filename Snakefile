@@ -28,6 +28,7 @@ include: "rules/prompts.smk"
 include: "rules/extract.smk"
 include: "rules/reduce.smk"
 include: "rules/stats.smk"
+include: "rules/policies.smk"
 include: "rules/figures.smk"
 
 
@@ -70,6 +71,12 @@ rule all:
         "results/stats/summary.csv",
         "results/stats/summary.html",
         "results/stats/sink_rate.csv",
+        "results/policies/summary.csv",
+        expand(
+            "results/policies/{checkpoint}/{prompt}.csv",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+        ),
         expand(
             [figure.path for figure in RUN_FIGURES + SURVEY_FIGURES],
             checkpoint=CHECKPOINTS,

@@ -23,6 +23,7 @@ from sinkscope.workflow.params import (
     prompt_inputs,
 )
 from sinkscope.workflow.resources import (
+    POLICIES_MINUTES,
     REDUCE_MB,
     encode_gpus,
     encode_mem_mb,

@@ -1,5 +1,5 @@
 # Frame datasets -> tidy statistics (Contract 3), one job per run (every layer: seconds); the
-# summary table goes into the report.
+# summary tables (statistics, sink rate, policy recall) go into the report.
 
 
 rule stats:
@@ -21,11 +21,16 @@ rule stats:
 
 rule summary:
     input:
-        expand(
+        stats=expand(
             "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
             layer=LAYERS,
+        ),
+        policies=expand(
+            "results/policies/{checkpoint}/{prompt}.csv",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
         ),
     output:
         summary=report(
@@ -48,6 +53,13 @@ rule summary:
             category="Sink statistics",
             subcategory="all runs",
             labels={"table": "sink rate"},
+        ),
+        policies=report(
+            "results/policies/summary.csv",
+            caption="../report/policy_summary.rst",
+            category="KV-cache policies",
+            subcategory="all runs",
+            labels={"table": "policy recall (csv)"},
         ),
     log:
         "results/logs/summary.log",

@@ -27,7 +27,15 @@ from .test_model import reference_rope
 T = TINY.tokens_per_frame(4, 6)
 GRID_HW = (2, 3)
 # What the reducer needs to know about a store (extract.py writes the full set).
-STORE_ATTRS = {"frame_seq_length": T, "num_frames": 6, "block_sizes": [2, 2, 2], "layer": 1}
+STORE_ATTRS = {
+    "frame_seq_length": T,
+    "num_frames": 6,
+    "block_sizes": [2, 2, 2],
+    "layer": 1,
+    "checkpoint": "tiny",
+    "prompt": "p",
+    "latent_grid": [6, *GRID_HW],
+}
 
 
 def _capture_rollout(

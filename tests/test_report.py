@@ -169,6 +169,10 @@ def test_report_holds_the_summary_table(demo_report):
         set(rates["checkpoint"]) == set(CONFIG["checkpoints"])
         and rates["sink_rate"].between(0, 1).all()
     )
+    policies = "results/policies/summary.csv"
+    assert set(categories["KV-cache policies"]["all runs"]) == {policies}
+    recall = pd.read_csv(io.BytesIO(decode_data_uri(results[policies]["data_uri"])))
+    assert set(recall["policy"]) == {"window", "sink_window", "top_c", "top_c_oracle"}
     entry = results[path]
     assert entry["labels"] == {"table": "summary (csv)"}
     table = pd.read_csv(io.BytesIO(decode_data_uri(entry["data_uri"])))
@@ -190,4 +194,4 @@ def test_report_describes_the_workflow(demo_report):
 def test_every_caption_file_is_used():
     captions = {path.stem for path in (REPO / "report").glob("*.rst")}
     used = {caption for _, caption, _ in expected_figures().values()}
-    assert captions == used | {"summary", "sink_rate", "workflow"}
+    assert captions == used | {"summary", "sink_rate", "policy_summary", "workflow"}

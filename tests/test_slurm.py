@@ -24,7 +24,7 @@ pytestmark = pytest.mark.workflow
 
 # The demo surveys every layer, so its frame datasets come from the survey (reduce_attention
 # runs locally) and rule reduce has nothing to do.
-SBATCH_RULES = {"encode_prompt", "extract", "survey"}
+SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies"}
 RUNS = [
     (c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0, 2)
 ]

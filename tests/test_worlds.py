@@ -19,6 +19,7 @@ FORBIDDEN = {
         "sinkscope.extraction",
         "sinkscope.analysis.reduce",
         "sinkscope.analysis.stats",
+        "sinkscope.analysis.policies",
         "sinkscope.analysis.plots",
         "sinkscope.wan.model",
         "sinkscope.wan.checkpoint",

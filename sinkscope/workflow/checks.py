@@ -61,6 +61,10 @@ INTEGER_KEYS = (
     "capture.passes",
     "capture.passes.*",
     "capture.survey.*",
+    "policies.budgets.*",
+    "policies.sinks.*",
+    "policies.recent_frames",
+    "policies.budget",
 )
 
 
@@ -177,6 +181,12 @@ def check_config(config: dict) -> None:
                 f"figures.heads: layer {layer} is not captured; add it to layers "
                 f"{config['layers']} or to capture.survey"
             )
+    policies = config["policies"]
+    if policies["budget"] not in policies["budgets"]:
+        raise ConfigError(
+            f"policies.budget={policies['budget']} is not one of policies.budgets "
+            f"{policies['budgets']}"
+        )
     video = config["video"]
     if video["frames_per_block"] > video["num_frames"]:
         raise ConfigError(

@@ -28,6 +28,9 @@ ENCODE_BASE_MB = 4000
 WRITE_MB_PER_S = 50.0
 READ_MB_PER_S = 50.0
 EXTRACT_SETUP_MINUTES = 15
+# The recall table of a run reads its frame datasets and attention stores (5 GB for 30 layers at
+# 480x832) once.
+POLICIES_MINUTES = 30
 REDUCE_SETUP_MINUTES = 5
 
 
