@@ -128,6 +128,10 @@ def test_schema_refuses(change, message):
             "[0, 2] are also surveyed",
         ),
         (
+            lambda c: c["policies"].update(budget=7),
+            "policies.budget=7 is not one of policies.budgets [3, 6, 9, 12]",
+        ),
+        (
             lambda c: c["checkpoints"]["demo_a"].update(generator="x.pt"),
             "checkpoints.demo_a.generator: a demo checkpoint has no generator file",
         ),
@@ -152,6 +156,7 @@ def test_schema_refuses(change, message):
         "survey-out-of-range",
         "nothing-captured",
         "temporary-token-stores-of-surveyed-layers",
+        "policy-budget-not-swept",
         "demo-with-generator",
     ],
 )
