@@ -78,7 +78,7 @@ rule all:
             prompt=PROMPTS,
         ),
         expand(
-            [figure.path for figure in RUN_FIGURES + SURVEY_FIGURES],
+            [figure.path for figure in RUN_FIGURES + POLICY_FIGURES + SURVEY_FIGURES],
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
         ),

@@ -1,7 +1,7 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
 import re
 
-from sinkscope.analysis.figures import compare_figures, run_figures
+from sinkscope.analysis.figures import compare_figures, policy_figures, run_figures
 from sinkscope.analysis.figures import survey_compare_figures
 from sinkscope.analysis.figures import survey_figures as survey_figure_files
 from sinkscope.workflow.checks import check_config
@@ -60,6 +60,10 @@ RUN_FIGURES = run_figures(
     config["figures"]["format"],
 )
 RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
+# Recall of the KV-cache policies, from the run's recall table (every frame layer).
+POLICY_FIGURES = policy_figures(
+    "results/figures/{checkpoint}/{prompt}", LAYERS, config["figures"]["format"]
+)
 SURVEY_FIGURES = survey_figure_files(
     "results/figures/{checkpoint}/{prompt}", SURVEY_LAYERS, config["figures"]["format"]
 )

@@ -1,5 +1,5 @@
-# Frame datasets -> figures per run and across runs, as the figure registry
-# (sinkscope/analysis/figures.py) declares them: file names, captions, the layers each shows.
+# Frame datasets (and recall tables, attention stores) -> figures per run and across runs, as the
+# figure registry (sinkscope/analysis/figures.py) declares them: file names, captions, layers.
 # Every figure is marked for the Snakemake report (`snakemake --report report.html`): category
 # "Figures", one subcategory per run and one across runs, labels `figure` and `layer` (0-based).
 
@@ -10,6 +10,7 @@ rule figures:
             "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
             layer=RUN_FIGURE_LAYERS,
         ),
+        policies="results/policies/{checkpoint}/{prompt}.csv",
     output:
         [
             report(
@@ -19,7 +20,7 @@ rule figures:
                 subcategory="{checkpoint} / {prompt}",
                 labels=figure.labels,
             )
-            for figure in RUN_FIGURES
+            for figure in RUN_FIGURES + POLICY_FIGURES
         ],
     log:
         "results/logs/figures/{checkpoint}/{prompt}.log",
@@ -27,6 +28,7 @@ rule figures:
         "../envs/analysis.yaml"
     params:
         figures=canonical(config["figures"]),
+        policies=canonical(config["policies"]),
     script:
         "../scripts/figures.py"
 

@@ -1,20 +1,32 @@
-"""Snakemake adapter: rules figures, compare_figures and survey_figures (each output file names
-its figure). Inputs: frames= (frame datasets), attention= (attention stores, survey figures only);
-params: figures=, and stats= where the figures read its thresholds (survey figures)."""
+"""Snakemake adapter: rules figures, compare_figures, survey_figures and the policy figures (each
+output file names its figure). Inputs: frames= (frame datasets), attention= (attention stores,
+survey figures only), policies= (the run's recall table, policy figures only); params: figures=,
+stats= where the figures read its thresholds (survey figures), policies= where the policy figures
+read their budget (key `budget`, optional)."""
 
 from sinkscope.analysis.plots import render_figures
 from sinkscope.logs import job_log
 
+
+def paths(name: str) -> list[str]:
+    """Input `name` as a list: Snakemake gives a single named file as a string."""
+    value = snakemake.input.get(name, [])
+    return [value] if isinstance(value, str) else list(value)
+
+
 with job_log(snakemake.log[0]):
     options = snakemake.params.figures
     stats = snakemake.params.get("stats") or {}
+    policies = snakemake.params.get("policies") or {}
     render_figures(
-        list(snakemake.input.frames),
+        paths("frames"),
         list(snakemake.output),
         heads=[tuple(head) for head in options["heads"]],
         measure=options["measure"],
         frame_axis=options["frame_axis"],
         step=options["step"],
-        attention_stores=list(snakemake.input.get("attention", [])),
+        attention_stores=paths("attention"),
+        policy_tables=paths("policies"),
+        policy_budget=policies.get("budget"),
         **{key: stats[key] for key in ("sink_threshold", "recent_threshold") if key in stats},
     )

@@ -45,6 +45,7 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
         folder = f"results/figures/{checkpoint}/{prompt}"
         run = [
             *figures.run_figures(folder, LAYERS, HEAD_LAYERS, FORMAT),
+            *figures.policy_figures(folder, sorted({*LAYERS, *SURVEY_LAYERS}), FORMAT),
             *figures.survey_figures(folder, SURVEY_LAYERS, FORMAT),
         ]
         for figure in run:
@@ -129,9 +130,9 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     results = embedded(page, "results")
     categories = embedded(page, "categories")
     expected = expected_figures()
-    # figure4, 3 per token layer, layer_comparison, statistics and 4 survey figures per run; 3
-    # across runs and the survey's sink rates of every run.
-    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2 + 4) + 3 + 1 == 56
+    # figure4, 3 per token layer, layer_comparison, statistics, 3 policy and 4 survey figures per
+    # run; 3 across runs and the survey's sink rates of every run.
+    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2 + 3 + 4) + 3 + 1 == 68
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():

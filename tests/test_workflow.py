@@ -53,6 +53,9 @@ def test_demo_produces_every_contract(demo_run):
                 "survey_head_class.svg",
                 "survey_sink_rate.svg",
                 "survey_spatial.svg",
+                "policy_recall.svg",
+                "policy_sinks.svg",
+                "policy_map.svg",
             } <= names
             assert "layer1_heads_grid.svg" not in names  # per-layer figures: token layers only
     summary = pd.read_csv(results / "stats/summary.csv")

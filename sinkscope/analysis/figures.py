@@ -3,7 +3,8 @@
 `FIGURES` maps each kind to the function that draws it (in `sinkscope.analysis.plots`), its
 caption (`report/<caption>`), how many files it makes and which layers it shows. The rules build
 their outputs and report labels from it (`run_figures`, `compare_figures`, and with a whole-model
-survey `survey_figures`, `survey_compare_figures`); the figure scripts hand
+survey `survey_figures`, `survey_compare_figures`, and with KV-cache policy recall tables
+`policy_figures`); the figure scripts hand
 their outputs to `plots.render_figures`, which asks `parse_figure_path` what each file is.
 
 Adding a figure: a `plot_*` function in plots.py, an entry here, a caption in report/, a test.
@@ -19,10 +20,16 @@ Scopes:
   next to the run's figures (`survey_figures`); the function gets the frame datasets of every
   surveyed layer (and, where it asks for them, their attention stores, Contract 4). A run without
   a survey has none.
-`layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`) or
-`surveyed` (every surveyed layer). A `compare` kind of the `surveyed` layers compares surveys:
-`compare/survey_{kind}.{fmt}` (`survey_compare_figures`), not among `compare_figures`.
-File names of `surveyed` kinds start with `survey_`, and no other kind's name does.
+- `policies`: one file per (checkpoint, prompt) with a recall table of KV-cache policies
+  (Contract 5, `results/policies/{checkpoint}/{prompt}.csv`): `policy_{kind}.{fmt}` next to the
+  run's figures (`policy_figures`); the function gets that table (a DataFrame), not frame
+  datasets.
+`layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`),
+`surveyed` (every surveyed layer) or `policies` (every layer of the recall table). A `compare`
+kind of the `surveyed` layers compares surveys: `compare/survey_{kind}.{fmt}`
+(`survey_compare_figures`), not among `compare_figures`.
+File names of `surveyed` kinds start with `survey_`, those of `policies` kinds with `policy_`, and
+no other kind's name does.
 
 Layers and heads are 0-based everywhere: file names, titles, labels and CSVs (layer 0 head 0 is
 L0H0; Deep Forcing's paper counts from 1, so its L1H1 and L5H10 are L0H0 and L4H9 here).
@@ -37,9 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 
-SCOPES = ("layer", "run", "compare", "survey")
-LAYER_SETS = ("captured", "heads", "surveyed")
+SCOPES = ("layer", "run", "compare", "survey", "policies")
+LAYER_SETS = ("captured", "heads", "surveyed", "policies")
 SURVEY_PREFIX = "survey_"  # file names of survey figures: survey_{kind}.{fmt}
+POLICY_PREFIX = "policy_"  # file names of policy recall figures: policy_{kind}.{fmt}
 FORMATS = ("svg", "png", "pdf")
 
 
@@ -58,10 +66,13 @@ class FigureKind:
             raise ValueError(f"figure {self.name}: survey figures show the surveyed layers")
         if self.surveyed and self.scope not in ("survey", "compare"):
             raise ValueError(f"figure {self.name}: surveyed layers need scope survey or compare")
-        if self.name.startswith(SURVEY_PREFIX):
+        if (self.scope == "policies") != (self.layers == "policies"):
             raise ValueError(
-                f"figure {self.name}: {SURVEY_PREFIX} is the file prefix of survey kinds"
+                f"figure {self.name}: policy figures, and only they, show the recall table's layers"
             )
+        for prefix in (SURVEY_PREFIX, POLICY_PREFIX):
+            if self.name.startswith(prefix):
+                raise ValueError(f"figure {self.name}: {prefix} is the file prefix of some kinds")
 
     @property
     def surveyed(self) -> bool:
@@ -69,9 +80,17 @@ class FigureKind:
         return self.layers == "surveyed"
 
     @property
+    def prefix(self) -> str:
+        """`survey_` for a survey figure, `policy_` for a policy figure, else nothing."""
+        if self.surveyed:
+            return SURVEY_PREFIX
+        return POLICY_PREFIX if self.scope == "policies" else ""
+
+    @property
     def stem(self) -> str:
-        """The file name without folder and format: `survey_{name}` for a survey figure."""
-        return f"{SURVEY_PREFIX}{self.name}" if self.surveyed else self.name
+        """The file name without folder and format: `survey_{name}` for a survey figure,
+        `policy_{name}` for a policy figure (a layer figure adds `layer{L}_` in front)."""
+        return f"{self.prefix}{self.name}"
 
     @property
     def title(self) -> str:
@@ -114,8 +133,15 @@ FIGURES = {
             "compare",
             "surveyed",
         ),
+        FigureKind("recall", "plot_policy_recall", "policy_recall.rst", "policies", "policies"),
+        FigureKind("sinks", "plot_policy_sinks", "policy_sinks.rst", "policies", "policies"),
+        FigureKind("map", "plot_policy_map", "policy_map.rst", "policies", "policies"),
     )
 }
+# The name of a file tells its kind: no two kinds may share a stem.
+_BY_STEM = {kind.stem: kind for kind in FIGURES.values() if kind.scope != "layer"}
+if len(_BY_STEM) != sum(kind.scope != "layer" for kind in FIGURES.values()):
+    raise ValueError("two figure kinds share a file name")
 
 
 def layer_label(layers: Sequence[int]) -> str:
@@ -149,7 +175,7 @@ class FigureFile:
 
     @property
     def labels(self) -> dict[str, str]:
-        label = layer_range_label if self.kind.surveyed else layer_label
+        label = layer_range_label if self.kind.layers in ("surveyed", "policies") else layer_label
         return {"figure": self.kind.title, "layer": label(self.layers)}
 
 
@@ -191,20 +217,28 @@ def compare_figures(
 def survey_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
     """Every survey file of one (checkpoint, prompt) in `folder` (the run's figure folder), in
     registry order, each showing every layer of `survey_layers`; none without surveyed layers."""
-    return _survey_files(folder, survey_layers, fmt, lambda kind: kind.scope == "survey")
+    return _layer_set_files(folder, survey_layers, fmt, lambda kind: kind.scope == "survey")
 
 
 def survey_compare_figures(folder: str, survey_layers: Sequence[int], fmt: str) -> list[FigureFile]:
     """Every file comparing the surveys of several runs, in `folder` (e.g.
     results/figures/compare), showing `survey_layers`; none without surveyed layers."""
-    return _survey_files(
+    return _layer_set_files(
         folder, survey_layers, fmt, lambda kind: kind.scope == "compare" and kind.surveyed
     )
 
 
-def _survey_files(folder, survey_layers, fmt, wanted) -> list[FigureFile]:
+def policy_figures(folder: str, layers: Sequence[int], fmt: str) -> list[FigureFile]:
+    """Every KV-cache policy figure of one (checkpoint, prompt) in `folder` (the run's figure
+    folder), in registry order, drawn from the run's recall table of `layers` (the layers it
+    holds, for the labels); none without layers."""
+    return _layer_set_files(folder, layers, fmt, lambda kind: kind.scope == "policies")
+
+
+def _layer_set_files(folder, layers, fmt, wanted) -> list[FigureFile]:
+    """One file per wanted kind, each showing every layer of `layers`; none without layers."""
     _check_format(fmt)
-    shown = tuple(sorted({int(layer) for layer in survey_layers}))
+    shown = tuple(sorted({int(layer) for layer in layers}))
     if not shown:
         return []
     return [
@@ -223,10 +257,13 @@ def parse_figure_path(path: str | PurePath) -> tuple[FigureKind, int | None, str
     fmt = path.suffix.removeprefix(".")
     _check_format(fmt, path)
     match = _LAYER_FILE.match(path.stem)
-    name, layer = (match.group(2), int(match.group(1))) if match else (path.stem, None)
-    survey = layer is None and name.startswith(SURVEY_PREFIX)
-    kind = FIGURES.get(name.removeprefix(SURVEY_PREFIX) if survey else name)
-    if kind is None or (kind.scope == "layer") != (layer is not None) or kind.surveyed != survey:
+    if match:
+        layer = int(match.group(1))
+        kind = FIGURES.get(match.group(2))
+        kind = kind if kind is not None and kind.scope == "layer" else None
+    else:
+        layer, kind = None, _BY_STEM.get(path.stem)
+    if kind is None:
         names = sorted(f"{kind.stem}" for kind in FIGURES.values())
         raise ValueError(f"{path}: not a figure file name of the registry ({names})")
     return kind, layer, fmt

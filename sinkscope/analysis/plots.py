@@ -32,7 +32,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
-from sinkscope.analysis import figures, stats
+from sinkscope.analysis import figures, policies, stats
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
 from sinkscope.storage import atomic_path
 
@@ -899,18 +899,34 @@ def _layer_head_maps(
     steps = [int(step) for step in first["step"].values]
     heads = sorted({int(head) for ds in layers.values() for head in ds["head"].values})
     layer_list = list(layers)
-    ncols, width, height = _survey_geometry(len(layer_list), len(heads), len(steps))
-    nrows = math.ceil(len(steps) / ncols)
+    maps = [
+        (_step_panel_title(first, step), _layer_head_values(table, column, step, layer_list, heads))
+        for step in steps
+    ]
+    fig, axes, mesh = _map_panels(maps, layer_list, heads, legend_rows)
+    return fig, axes, steps, heads, mesh
+
+
+def _map_panels(
+    maps: Sequence[tuple[str, np.ndarray]],
+    layer_list: Sequence[int],
+    heads: Sequence[int],
+    legend_rows: int = 0,
+) -> tuple[Figure, list[Axes], QuadMesh]:
+    """One layer x head panel per (title, values) of `maps`, values (layer, head) on one 0..1
+    colour scale; layer 0 on top, head 0 on the left, NaN grey. Returns the figure, its panels
+    and the last mesh (for the colorbar)."""
+    ncols, width, height = _survey_geometry(len(layer_list), len(heads), len(maps))
+    nrows = math.ceil(len(maps) / ncols)
     fig = Figure(
         figsize=(FULL_WIDTH_IN, nrows * (height + 0.3) + 0.6 + 0.15 * legend_rows),
         layout="constrained",
     )
-    axes = _panel_grid(fig, len(steps), ncols, sharex=True, sharey=True)
+    axes = _panel_grid(fig, len(maps), ncols, sharex=True, sharey=True)
     cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
     norm = Normalize(vmin=0.0, vmax=1.0)
     mesh = None
-    for index, (ax, step) in enumerate(zip(axes, steps, strict=True)):
-        values = _layer_head_values(table, column, step, layer_list, heads)
+    for index, (ax, (title, values)) in enumerate(zip(axes, maps, strict=True)):
         mesh = ax.pcolormesh(
             np.arange(len(heads) + 1) - 0.5,
             np.arange(len(layer_list) + 1) - 0.5,
@@ -925,12 +941,12 @@ def _layer_head_maps(
         _index_ticks(ax.xaxis, heads, width * 72, 11)
         _index_ticks(ax.yaxis, layer_list, height * 72, 9)
         ax.tick_params(which="minor", length=1.2, width=0.4)
-        ax.set_title(_step_panel_title(first, step))
-        if index + ncols >= len(steps):  # no panel below: this one labels the heads
+        ax.set_title(title)
+        if index + ncols >= len(maps):  # no panel below: this one labels the heads
             ax.tick_params(labelbottom=True)
             ax.set_xlabel("Head")  # per panel: a legend may take the figure's foot
     fig.supylabel("Layer (0-based)")
-    return fig, axes, steps, heads, mesh
+    return fig, axes, mesh
 
 
 @_styled
@@ -1226,6 +1242,353 @@ def plot_survey_spatial(
 
 
 # --------------------------------------------------------------------------------------------
+# KV-cache policies: the recall table of one run (Contract 5, sinkscope.analysis.policies)
+
+RECALL_LABEL = "Recall (share of full-cache attention kept)"
+RECALL_MAP_LABEL = "Recall\n(share of attention kept)"  # fits a colorbar 4 layers tall
+POLICY_BUDGET_LABEL = "Budget B (latent frames kept)"
+POLICY_LAYER_PANELS = 6  # layers drawn by default: all up to this many, else evenly spaced
+UNIFORM_LABEL = "uniform attention (B / V)"
+IQR_ALPHA = 0.15
+
+
+def _policy_run(table: pd.DataFrame) -> tuple[str, str]:
+    """(checkpoint, prompt) of a recall table, which must hold rows of exactly one run."""
+    if table.empty:
+        raise ValueError("the recall table has no rows")
+    runs = sorted(
+        {(str(c), str(p)) for c, p in zip(table["checkpoint"], table["prompt"], strict=True)}
+    )
+    if len(runs) > 1:
+        raise ValueError(f"policy figures show one run (checkpoint, prompt), got {runs}")
+    return runs[0]
+
+
+def policy_last_block(table: pd.DataFrame, step: int) -> pd.DataFrame:
+    """The rows of the recall table the policy figures show: step `step`, query block = the last
+    block (the one with the most history)."""
+    checkpoint, prompt = _policy_run(table)
+    steps = sorted({int(s) for s in table["step"]})
+    if int(step) not in steps:
+        raise ValueError(f"step {step} not in the recall table of {checkpoint}/{prompt}: {steps}")
+    rows = table[table["step"] == int(step)]
+    rows = rows[rows["query_block"] == rows["query_block"].max()]
+    visible = sorted({int(v) for v in rows["visible_frames"]})
+    if len(visible) != 1:
+        raise ValueError(
+            f"the last block of {checkpoint}/{prompt} sees {visible} frames in different rows"
+        )
+    return rows.reset_index(drop=True)
+
+
+def default_policy_budget(rows: pd.DataFrame) -> int:
+    """The budget of the sink sweep and the map when none is asked for: the middle one (the upper
+    of two) of the table's budgets below the visible frames, else the smallest."""
+    budgets = sorted({int(b) for b in rows["budget"]})
+    below = [b for b in budgets if b < int(rows["visible_frames"].iloc[0])]
+    return below[len(below) // 2] if below else budgets[0]
+
+
+def _policy_budget(rows: pd.DataFrame, budget: int | None) -> int:
+    if budget is None:
+        return default_policy_budget(rows)
+    budgets = sorted({int(b) for b in rows["budget"]})
+    if int(budget) not in budgets:
+        raise ValueError(f"policy budget {budget} not in the recall table: its budgets {budgets}")
+    return int(budget)
+
+
+def default_policy_layers(layers: Sequence[int]) -> list[int]:
+    """Every layer when there are at most POLICY_LAYER_PANELS, else that many evenly spaced ones,
+    the first and the last included."""
+    layers = sorted({int(layer) for layer in layers})
+    if len(layers) <= POLICY_LAYER_PANELS:
+        return layers
+    picks = np.round(np.linspace(0, len(layers) - 1, POLICY_LAYER_PANELS)).astype(int)
+    return [layers[i] for i in sorted(set(picks))]
+
+
+def _policy_layers(rows: pd.DataFrame, layers: Sequence[int] | None) -> list[int]:
+    present = sorted({int(layer) for layer in rows["layer"]})
+    if layers is None:
+        return default_policy_layers(present)
+    if not layers:
+        raise ValueError("policy figures need at least one layer to draw")
+    missing = sorted({int(layer) for layer in layers} - set(present))
+    if missing:
+        raise ValueError(f"policy layers {missing} are not in the recall table (layers {present})")
+    return sorted({int(layer) for layer in layers})
+
+
+def head_quartiles(values: np.ndarray) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of the recall of some heads (numpy's linear
+    interpolation); NaN without values."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return (math.nan, math.nan, math.nan)
+    low, median, high = np.quantile(values, [0.25, 0.5, 0.75])
+    return float(low), float(median), float(high)
+
+
+def _policy_series(rows: pd.DataFrame) -> list[tuple[str, int, pd.DataFrame]]:
+    """(policy, S or R, rows) of each drawn policy: window (S = 0), sink_window once per S > 0,
+    top_c and top_c_oracle once per R; those absent from the table are left out."""
+    series = [("window", 0, rows[rows["policy"] == "window"])]
+    sinks = rows[(rows["policy"] == "sink_window") & (rows["sink_frames"].fillna(0) > 0)]
+    series += [("sink_window", int(s), group) for s, group in sinks.groupby("sink_frames")]
+    for policy in ("top_c", "top_c_oracle"):
+        chosen = rows[rows["policy"] == policy]
+        series += [(policy, int(r), group) for r, group in chosen.groupby("recent_frames")]
+    return [(policy, n, group) for policy, n, group in series if not group.empty]
+
+
+def policy_label(policy: str, frames: int) -> str:
+    """Legend label of a policy: 'window', 'sink + window, S = 3', 'top-C, R = 3'."""
+    if policy == "window":
+        return "window (S = 0)"
+    if policy == "sink_window":
+        return f"sinks + window, S = {frames}"
+    if policy == "top_c":
+        return f"top-C causal, R = {frames}"
+    return f"top-C oracle, R = {frames}"
+
+
+def _policy_styles(series: Sequence[tuple[str, int, pd.DataFrame]]) -> dict[tuple[str, int], dict]:
+    """Window black, sink windows blue (darker and a new dash for each larger S), top-C orange,
+    its oracle dashed."""
+    sinks = [n for policy, n, _ in series if policy == "sink_window"]
+    shades = np.linspace(0.45, 0.9, max(len(sinks), 1))
+    dashes = ["-", "--", "-.", ":"]
+    styles: dict[tuple[str, int], dict] = {}
+    for policy, n, _ in series:
+        if policy == "window":
+            style = {"color": "black", "linestyle": "-", "marker": "o"}
+        elif policy == "sink_window":
+            i = sinks.index(n)
+            color = matplotlib.colormaps["Blues"](shades[i])
+            style = {"color": color, "linestyle": dashes[i % len(dashes)], "marker": "s"}
+        elif policy == "top_c":
+            style = {"color": "#d95f02", "linestyle": "-", "marker": "^"}
+        else:
+            style = {"color": "#d95f02", "linestyle": "--", "marker": "v", "markerfacecolor": "w"}
+        styles[(policy, n)] = style
+    return styles
+
+
+def _quartile_line(ax: Axes, x: np.ndarray, groups: Sequence[np.ndarray], label: str, **style):
+    """Median of each group at x, and the interquartile band behind it (label '_iqr: {label}',
+    not in the legend)."""
+    low, median, high = np.array([head_quartiles(group) for group in groups]).T
+    color = style.get("color")
+    ax.fill_between(x, low, high, color=color, alpha=IQR_ALPHA, linewidth=0, label=f"_iqr: {label}")
+    ax.plot(x, median, label=label, **style)
+
+
+def _policy_title(rows: pd.DataFrame, step: int, what: str, quartiles: bool = True) -> str:
+    """Two lines: the run and what is drawn; the query block, its visible frames and the step."""
+    checkpoint, prompt = _policy_run(rows)
+    first = rows.iloc[0]
+    label = timestep_label(first["timestep"], first["pass_kind"])
+    when = f"step {int(step)} · {'cache pass' if label == 'cache' else label}"
+    block = int(first["query_block"])
+    visible = int(first["visible_frames"])
+    spread = " · line: median over heads, band: quartiles" if quartiles else ""
+    return (
+        f"{checkpoint} · {prompt} · {what}\nlast block (query block {block}, "
+        f"V = {visible} visible frames) · {when}{spread}"
+    )
+
+
+def _recall_axis(ax: Axes) -> None:
+    ax.set_ylim(-0.02, 1.04)
+    ax.set_yticks([0.0, 0.25, 0.5, 0.75, 1.0])
+    ax.grid(axis="y", color="0.9", linewidth=0.4)
+    ax.set_axisbelow(True)
+
+
+def _layer_panels(
+    rows: pd.DataFrame, layers: Sequence[int] | None
+) -> tuple[Figure, list[Axes], list[tuple[str, list[int]]], int]:
+    """The panels of a policy line figure: one per layer of `layers` (default
+    `default_policy_layers`), then one pooling the heads of every layer of the table. Returns the
+    figure, its panels, (title, layers pooled) of each, and the number of columns."""
+    every = sorted({int(layer) for layer in rows["layer"]})
+    panels = [(f"Layer {layer}", [layer]) for layer in _policy_layers(rows, layers)]
+    panels.append((f"All {len(every)} layers, heads pooled", every))
+    ncols = math.ceil(len(panels) / math.ceil(len(panels) / 4))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.75 * nrows + 1.1), layout="constrained")
+    axes = _panel_grid(fig, len(panels), ncols, sharex=True, sharey=True)
+    return fig, axes, panels, ncols
+
+
+def _finish_panels(fig: Figure, axes: Sequence[Axes], ncols: int, xlabel: str, title: str) -> None:
+    """Budget or sink ticks under every panel without one below, one legend at the foot (a line
+    keeps its label in every panel), recall on the y axis, the title."""
+    for index, ax in enumerate(axes):
+        _recall_axis(ax)
+        if index + ncols >= len(axes):  # no panel below: this one labels the x axis
+            ax.tick_params(labelbottom=True)
+            ax.set_xlabel(xlabel)  # per panel: the legend takes the figure's foot
+    handles = {}
+    for ax in axes:
+        for line in ax.lines:
+            if not line.get_label().startswith("_"):
+                handles.setdefault(line.get_label(), line)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3)
+    fig.supylabel(RECALL_LABEL)
+    fig.suptitle(title)
+
+
+def _uniform_line(ax: Axes, x: Sequence[float], y: Sequence[float]) -> None:
+    """The recall of uniform attention (every visible frame the same share): B / V."""
+    ax.plot(
+        x, y, color="0.6", linewidth=0.5, linestyle=(0, (1, 1.5)), label=UNIFORM_LABEL, zorder=1
+    )
+
+
+@_styled
+def plot_policy_recall(
+    table: pd.DataFrame, *, step: int = 0, layers: Sequence[int] | None = None
+) -> Figure:
+    """Recall against budget of every policy of the recall table (Contract 5) at `step`, for the
+    last query block: one panel per layer of `layers` (default `default_policy_layers`) and one
+    pooling the heads of every layer; a line is the median over heads, its band the quartiles."""
+    rows = policy_last_block(table, step)
+    series = _policy_series(rows)
+    styles = _policy_styles(series)
+    visible = int(rows["visible_frames"].iloc[0])
+    budgets = sorted({int(b) for b in rows["budget"]})
+    limit = max(budgets[-1], visible)
+    fig, axes, panels, ncols = _layer_panels(rows, layers)
+    for ax, (title, pooled) in zip(axes, panels, strict=True):
+        ax.axvline(visible, color="0.6", linewidth=0.5, linestyle="--")
+        ax.annotate(
+            f"V = {visible}: all kept",
+            xy=(visible, 0.02),
+            xytext=(-2, 0),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            color="0.4",
+            fontsize=5.5,
+        )
+        for policy, n, group in series:
+            chosen = group[group["layer"].isin(pooled)]
+            by_budget = [(int(b), g["recall"].to_numpy(float)) for b, g in chosen.groupby("budget")]
+            if by_budget:
+                _quartile_line(
+                    ax,
+                    np.array([b for b, _ in by_budget], dtype=float),
+                    [values for _, values in by_budget],
+                    policy_label(policy, n),
+                    **styles[(policy, n)],
+                )
+        _uniform_line(ax, [0, limit], [0, min(limit / visible, 1.0)])
+        ax.set_title(title)
+        ax.set_xlim(0, limit + 0.5)
+        ax.set_xticks(sorted({*budgets, visible}))
+    title = _policy_title(rows, step, "recall of KV-cache policies against budget")
+    _finish_panels(fig, axes, ncols, POLICY_BUDGET_LABEL, title)
+    return fig
+
+
+@_styled
+def plot_policy_sinks(
+    table: pd.DataFrame,
+    *,
+    step: int = 0,
+    budget: int | None = None,
+    layers: Sequence[int] | None = None,
+) -> Figure:
+    """The sink ablation: recall of `sink_window` against its sink frames S at one `budget`
+    (default `default_policy_budget`), S = 0 being `window`, for the last query block at `step`:
+    one panel per layer of `layers` (default `default_policy_layers`) and one pooling every
+    layer's heads, a line the median over heads with its quartile band. The medians of top_c and
+    its oracle at the same budget are horizontal references where the table has them."""
+    rows = policy_last_block(table, step)
+    budget = _policy_budget(rows, budget)
+    visible = int(rows["visible_frames"].iloc[0])
+    at = rows[rows["budget"] == budget]
+    window = at[at["policy"] == "window"]
+    if window.empty:
+        raise ValueError(f"the recall table has no window rows at budget {budget}")
+    sinks = at[(at["policy"] == "sink_window") & (at["sink_frames"].fillna(0) > 0)]
+    sweep = pd.concat(
+        [window.assign(sweep=0), sinks.assign(sweep=sinks["sink_frames"].astype(int))]
+    )
+    sink_values = sorted({int(s) for s in sweep["sweep"]})
+    references = [
+        (policy_label(policy, n), group, dash)
+        for (policy, n, group), dash in zip(
+            [item for item in _policy_series(at) if item[0] in ("top_c", "top_c_oracle")],
+            ["-", "--", "-.", ":"],
+            strict=False,
+        )
+    ]
+    fig, axes, panels, ncols = _layer_panels(rows, layers)
+    for ax, (title, pooled) in zip(axes, panels, strict=True):
+        chosen = sweep[sweep["layer"].isin(pooled)]
+        by_sink = [(int(s), g["recall"].to_numpy(float)) for s, g in chosen.groupby("sweep")]
+        _quartile_line(
+            ax,
+            np.array([s for s, _ in by_sink], dtype=float),
+            [values for _, values in by_sink],
+            f"sinks + window (S = 0: window), B = {budget}",
+            color="#08519c",
+            marker="s",
+        )
+        for label, group, dash in references:
+            values = group[group["layer"].isin(pooled)]["recall"].to_numpy(float)
+            if values.size:
+                _, median, _ = head_quartiles(values)
+                ax.axhline(
+                    median, color="#d95f02", linewidth=0.8, linestyle=dash, label=f"{label}, median"
+                )
+        _uniform_line(ax, [sink_values[0] - 0.3, sink_values[-1] + 0.3], [budget / visible] * 2)
+        ax.set_title(title)
+        ax.set_xticks(sink_values)
+        ax.set_xticklabels([f"{s}\nwindow" if s == 0 else str(s) for s in sink_values])
+        ax.set_xlim(sink_values[0] - 0.3, sink_values[-1] + 0.3)
+    title = _policy_title(rows, step, f"recall against sink frames S at budget B = {budget}")
+    _finish_panels(fig, axes, ncols, "Sink frames S", title)
+    return fig
+
+
+@_styled
+def plot_policy_map(table: pd.DataFrame, *, step: int = 0, budget: int | None = None) -> Figure:
+    """Layer x head maps of recall at one `budget` (default `default_policy_budget`) for the last
+    query block at `step`, one panel per policy: window, sink_window with the largest S below the
+    budget, top_c and top_c_oracle where the table has them; one 0..1 colour scale, NaN grey
+    (a layer without the policy's rows)."""
+    rows = policy_last_block(table, step)
+    budget = _policy_budget(rows, budget)
+    at = rows[rows["budget"] == budget]
+    layer_list = sorted({int(layer) for layer in rows["layer"]})
+    heads = sorted({int(head) for head in rows["head"]})
+    series = _policy_series(at)
+    largest = max((n for policy, n, _ in series if policy == "sink_window"), default=None)
+    chosen = [
+        (policy, n, group) for policy, n, group in series if policy != "sink_window" or n == largest
+    ]
+    maps = [
+        (
+            policy_label(policy, n),
+            group.pivot_table(index="layer", columns="head", values="recall", aggfunc="first")
+            .reindex(index=layer_list, columns=heads)
+            .to_numpy(dtype=float),
+        )
+        for policy, n, group in chosen
+    ]
+    fig, axes, mesh = _map_panels(maps, layer_list, heads)
+    what = f"recall at budget B = {budget} latent frames, every head"
+    fig.suptitle(_policy_title(rows, step, what, quartiles=False))
+    _colorbar(fig, mesh, axes, RECALL_MAP_LABEL)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
 # writing files
 
 
@@ -1283,6 +1646,9 @@ def render_figures(
     attention_stores: Sequence[str | os.PathLike] = (),
     sink_threshold: float = 0.3,
     recent_threshold: float = 0.5,
+    policy_tables: Sequence[str | os.PathLike] = (),
+    policy_budget: int | None = None,
+    policy_layers: Sequence[int] | None = None,
 ) -> list[Path]:
     """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
 
@@ -1292,18 +1658,28 @@ def render_figures(
     figures (and survey compare figures) show the layers of the attention stores
     `attention_stores` (Contract 4; every one needs its frame dataset), or every frame dataset
     when none is given; `survey_spatial` needs them. `sink_threshold` and `recent_threshold` are
-    the statistics' (head class, sink rate). Every request (heads, step, options, names) is
-    checked before the first file is written.
+    the statistics' (head class, sink rate). Policy figures draw the recall tables
+    `policy_tables` (Contract 5) of one run, at step `step`, with `policy_budget` (the sink sweep
+    and map; default `default_policy_budget`) and `policy_layers` (default
+    `default_policy_layers`); they need no frame dataset. Every request (heads, step, options,
+    names) is checked before the first file is written.
     """
     _check_options(measure, frame_axis)
     plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
+    kinds = [kind for _, kind, _, _ in plan]
     datasets = [open_frame_dataset(path) for path in frame_stores]
-    if not datasets:
+    if not datasets and any(kind.scope != "policies" for kind in kinds):
         raise ValueError("no frame datasets given")
     attention = [open_attention_store(path) for path in attention_stores]
     for ds in datasets:
         _select_step(ds, step)
-    kinds = [kind for _, kind, _, _ in plan]
+    if any(kind.scope == "policies" for kind in kinds):
+        if not policy_tables:
+            raise ValueError("policy figures need the run's recall table (policy_tables)")
+        table = pd.concat([policies.read_policies(path) for path in policy_tables])
+        rows = policy_last_block(table, step)
+        _policy_budget(rows, policy_budget)
+        _policy_layers(rows, policy_layers)
     if any(kind.scope in ("layer", "run") for kind in kinds):
         layers = _by_layer(datasets)
         _check_run_heads(layers, heads)
@@ -1326,6 +1702,8 @@ def render_figures(
         "attention": attention,
         "sink_threshold": sink_threshold,
         "recent_threshold": recent_threshold,
+        "budget": policy_budget,
+        "layers": policy_layers,
     }
     written = []
     for path, kind, layer, fmt in plan:
@@ -1337,6 +1715,8 @@ def render_figures(
             data = layers[layer]
         elif kind.surveyed:
             data = survey
+        elif kind.scope == "policies":
+            data = table
         else:
             data = _datasets_for(kind.layers, datasets, heads)
         written.append(save_figure(builder(data, **kwargs), path, fmt))
