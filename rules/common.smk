@@ -51,15 +51,16 @@ DEMO_CHECKPOINTS = list(config["demo"]["checkpoints"])
 # The layers of figures.heads: what figure4 and the compare figures show.
 HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
 # Figure files from the registry; run figures keep {checkpoint} and {prompt} as wildcards.
-# Per-layer and per-run figures show the token layers (the ones zoomed into); figure4 and the
-# compare figures the layers of figures.heads; the survey figures every surveyed layer.
+# Per-layer and per-run figures show the token layers (the ones zoomed into) and those of
+# figures.heads; figure4 and the compare figures the layers of figures.heads; the survey figures
+# every surveyed layer.
+RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
 RUN_FIGURES = run_figures(
     "results/figures/{checkpoint}/{prompt}",
-    TOKEN_LAYERS,
+    RUN_FIGURE_LAYERS,
     HEAD_LAYERS,
     config["figures"]["format"],
 )
-RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
 # Recall of the KV-cache policies, from the run's recall table (every frame layer).
 POLICY_FIGURES = policy_figures(
     "results/figures/{checkpoint}/{prompt}", LAYERS, config["figures"]["format"]

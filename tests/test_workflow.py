@@ -57,7 +57,7 @@ def test_demo_produces_every_contract(demo_run):
                 "policy_sinks.svg",
                 "policy_map.svg",
             } <= names
-            assert "layer1_heads_grid.svg" not in names  # per-layer figures: token layers only
+            assert "layer1_heads_grid.svg" not in names  # per-layer: token and heads layers
     summary = pd.read_csv(results / "stats/summary.csv")
     assert {"run", "mean", "std", "count"} <= set(summary["aggregate"])
     for name in ("checkpoints", "prompts", "passes"):
