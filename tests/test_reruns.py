@@ -82,6 +82,7 @@ def test_the_rerun_after_the_fix_runs_only_what_is_missing(keep_going):
         "extract",
         "reduce",
         "stats",
+        "policies",
         "figures",
         "summary",
         "compare_figures",
