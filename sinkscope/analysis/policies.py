@@ -47,20 +47,11 @@ COLUMNS = [
     "recent_frames",
     "recall",
 ]
-GROUP_COLUMNS = [
-    "checkpoint",
-    "layer",
-    "head",
-    "step",
-    "timestep",
-    "pass_kind",
-    "query_block",
-    "visible_frames",
-    "policy",
-    "budget",
-    "sink_frames",
-    "recent_frames",
-]
+# What a row of a run is, across prompts: the across-prompt summary groups by these.
+GROUP_COLUMNS = [column for column in COLUMNS if column not in ("prompt", "recall")]
+# The rows frame_policy_recall and token_policy_recall return; the policy's own parameter is
+# sink_frames or recent_frames.
+_ROW = ["step", "head", "query_block", "visible_frames", "policy", "budget"]
 
 
 def frames_kept(visible: np.ndarray, policy: str, budget: int, sink_frames: int = 0) -> np.ndarray:
@@ -186,19 +177,7 @@ def policy_table(
     """Recall of every policy and budget for one layer of one run (Contract 5 rows)."""
     blocks = frame_dataset["block"].values
     frame_rows = frame_policy_recall(frame_dataset["prob_mass"].values, blocks, budgets, sinks)
-    table = pd.DataFrame(
-        frame_rows,
-        columns=[
-            "step",
-            "head",
-            "query_block",
-            "visible_frames",
-            "policy",
-            "budget",
-            "sink_frames",
-            "recall",
-        ],
-    )
+    table = pd.DataFrame(frame_rows, columns=[*_ROW, "sink_frames", "recall"])
     table["recent_frames"] = np.nan
     if attention_store is not None:
         token_rows = token_policy_recall(
@@ -208,19 +187,7 @@ def policy_table(
             budgets,
             recent_frames,
         )
-        tokens = pd.DataFrame(
-            token_rows,
-            columns=[
-                "step",
-                "head",
-                "query_block",
-                "visible_frames",
-                "policy",
-                "budget",
-                "recent_frames",
-                "recall",
-            ],
-        )
+        tokens = pd.DataFrame(token_rows, columns=[*_ROW, "recent_frames", "recall"])
         tokens["sink_frames"] = np.nan
         table = pd.concat([table, tokens], ignore_index=True)
     table["checkpoint"] = str(frame_dataset["checkpoint"].values)
