@@ -28,17 +28,12 @@ import pandas as pd
 import xarray as xr
 
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
+from sinkscope.analysis.stats import ROW_KEYS, across_prompts
 from sinkscope.storage import write_text_atomically
 
 POLICIES = ("window", "sink_window", "top_c", "top_c_oracle")
 COLUMNS = [
-    "checkpoint",
-    "prompt",
-    "layer",
-    "head",
-    "step",
-    "timestep",
-    "pass_kind",
+    *ROW_KEYS,
     "query_block",
     "visible_frames",
     "policy",
@@ -128,10 +123,10 @@ def token_policy_recall(
         )
         if len(visible) == 0:
             continue
-        own = [f for f in queries if f in set(visible)]
+        own = np.intersect1d(queries, visible).tolist()
         before = [f for f in visible if f < queries[0]]
         recent = before[len(before) - recent_frames :] if recent_frames else []
-        history = [f for f in before if f not in set(recent)]
+        history = before[: len(before) - len(recent)]
         fixed = np.concatenate([np.arange(f * t, (f + 1) * t) for f in [*own, *recent]])
         history_tokens = (
             np.concatenate([np.arange(f * t, (f + 1) * t) for f in history])
@@ -233,17 +228,8 @@ def write_policies(
 
 def summarize_policies(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
     """Stack per-run recall tables (aggregate='run') and add across-prompt mean, std and count
-    (prompt='*'), as the statistics summary does."""
-    runs = pd.concat(list(tables), ignore_index=True)
-    runs["aggregate"] = "run"
-    parts = [runs]
-    grouped = runs.groupby(GROUP_COLUMNS, dropna=False, sort=True)["recall"]
-    for aggregate in ("mean", "std", "count"):
-        frame = grouped.agg(aggregate).reset_index()
-        frame["prompt"] = "*"
-        frame["aggregate"] = aggregate
-        parts.append(frame)
-    return pd.concat(parts, ignore_index=True)[[*COLUMNS, "aggregate"]]
+    (prompt='*'), as the statistics summary does (`stats.across_prompts`)."""
+    return across_prompts(tables, GROUP_COLUMNS, ["recall"], COLUMNS)
 
 
 def write_policy_summary(

@@ -426,22 +426,35 @@ def _check_attributes(kind: str, path: Path, attrs: dict) -> None:
         )
 
 
-def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
-    """Validate the layout against the attributes; returns (T, F, block sizes)."""
-    _check_attributes("token store", path, ds.attrs)
+def _store_layout(
+    kind: str, path: Path, ds: xr.Dataset, arrays: tuple[str, ...]
+) -> tuple[int, int, list[int]]:
+    """What every store must have (checked attributes, the layout attributes, `arrays`), and
+    its layout: (T, F, block sizes)."""
+    _check_attributes(kind, path, ds.attrs)
     for key in ("frame_seq_length", "num_frames", "block_sizes"):
         if key not in ds.attrs:
-            raise _store_error(path, f"missing group attribute {key!r}")
-    for name in ("timestep", "pass_kind"):
+            raise ValueError(f"{kind} {path}: missing group attribute {key!r}")
+    for name in arrays:
         if name not in ds.variables:
-            raise _store_error(path, f"missing array {name!r}")
-    if "logits" not in ds.variables and "logit_mean_pooled" not in ds.variables:
-        raise _store_error(path, "has neither 'logits' nor 'logit_mean_pooled'")
+            raise ValueError(f"{kind} {path}: missing array {name!r}")
     tokens_per_frame = int(ds.attrs["frame_seq_length"])
     num_frames = int(ds.attrs["num_frames"])
     sizes = [int(size) for size in ds.attrs["block_sizes"]]
     if sum(sizes) != num_frames:
-        raise _store_error(path, f"block_sizes {sizes} do not add up to num_frames={num_frames}")
+        raise ValueError(
+            f"{kind} {path}: block_sizes {sizes} do not add up to num_frames={num_frames}"
+        )
+    return tokens_per_frame, num_frames, sizes
+
+
+def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
+    """Validate the layout against the attributes; returns (T, F, block sizes)."""
+    tokens_per_frame, num_frames, sizes = _store_layout(
+        "token store", path, ds, ("timestep", "pass_kind")
+    )
+    if "logits" not in ds.variables and "logit_mean_pooled" not in ds.variables:
+        raise _store_error(path, "has neither 'logits' nor 'logit_mean_pooled'")
     if "logits" not in ds.variables:
         return tokens_per_frame, num_frames, sizes  # capture.tokens: false
     logits = ds["logits"]
@@ -522,15 +535,7 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
     atomically at `out` and mark it complete last."""
     tune_zarr()
     store, out = Path(store), Path(out)
-    name = STORE_NAMES[kind]
-    if not (store / "zarr.json").is_file():
-        raise FileNotFoundError(f"{name} {store} is not a zarr v3 group")
-    _check_metadata_copies(name, store)
-    try:
-        opened = xr.open_zarr(store, chunks=None)  # lazy: nothing read yet
-    except Exception as err:
-        problem = f"its zarr.json cannot be read ({_cause(err)})"
-        raise _damaged(name, store, problem) from err
+    opened = _open_store(STORE_NAMES[kind], store, chunks=None)  # lazy: nothing read yet
     with opened as ds:
         result = reducer(store, ds)
     encoding = {variable: {"compressors": checked_compressors()} for variable in result.variables}
@@ -539,23 +544,23 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
         mark_complete(temporary)
 
 
+def _open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
+    """xr.open_zarr of a store after checking it is one and its metadata copies agree; errors
+    name the path."""
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(f"{kind} {path} is not a zarr v3 group")
+    _check_metadata_copies(kind, path)
+    try:
+        return xr.open_zarr(path, **open_options)
+    except Exception as err:
+        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
+
+
 def _check_attention_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate an attention store's layout against its attributes: (T, F, block sizes)."""
     kind = STORE_NAMES["attention"]
-    _check_attributes(kind, path, ds.attrs)
-    for key in ("frame_seq_length", "num_frames", "block_sizes"):
-        if key not in ds.attrs:
-            raise ValueError(f"{kind} {path}: missing group attribute {key!r}")
-    for name in ("key_mass", "entropy", "logit_mean_pooled", "timestep", "pass_kind"):
-        if name not in ds.variables:
-            raise ValueError(f"{kind} {path}: missing array {name!r}")
-    tokens_per_frame = int(ds.attrs["frame_seq_length"])
-    num_frames = int(ds.attrs["num_frames"])
-    sizes = [int(size) for size in ds.attrs["block_sizes"]]
-    if sum(sizes) != num_frames:
-        raise ValueError(
-            f"{kind} {path}: block_sizes {sizes} do not add up to num_frames={num_frames}"
-        )
+    arrays = ("key_mass", "entropy", "logit_mean_pooled", "timestep", "pass_kind")
+    tokens_per_frame, num_frames, sizes = _store_layout(kind, path, ds, arrays)
     key_mass = ds["key_mass"]
     if tuple(key_mass.dims) != KEY_MASS_DIMS:
         raise ValueError(
@@ -766,13 +771,7 @@ def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
     metadata copies, attribute checksum, `complete` mark and layout; errors name the path."""
     path = Path(path)
     kind = STORE_NAMES["attention"]
-    if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(f"{kind} not found: {path}")
-    _check_metadata_copies(kind, path)
-    try:
-        store = xr.open_zarr(path)
-    except Exception as err:
-        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
+    store = _open_store(kind, path)
     _check_attention_store(path, store)
     missing = [
         name for name in ("checkpoint", "prompt", "layer", "latent_grid") if name not in store.attrs

@@ -28,14 +28,10 @@ STAT_COLUMNS = [
     "entropy",
     "importance",
 ]
+# The keys every per-head table of a run starts with (statistics, policy recall).
+ROW_KEYS = ["checkpoint", "prompt", "layer", "head", "step", "timestep", "pass_kind"]
 COLUMNS = [
-    "checkpoint",
-    "prompt",
-    "layer",
-    "head",
-    "step",
-    "timestep",
-    "pass_kind",
+    *ROW_KEYS,
     "measure",
     "query",
     *STAT_COLUMNS,
@@ -267,10 +263,22 @@ def write_run_stats(
 
 def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
     """Stack per-run statistics (aggregate='run') and add across-prompt mean, std and count."""
+    return across_prompts(tables, GROUP_COLUMNS, STAT_COLUMNS, COLUMNS)
+
+
+def across_prompts(
+    tables: Iterable[pd.DataFrame],
+    group_columns: Sequence[str],
+    value_columns: Sequence[str],
+    columns: Sequence[str],
+) -> pd.DataFrame:
+    """Stack per-run tables (aggregate='run') and add, per `group_columns`, rows with
+    prompt='*' and aggregate = mean / std / count of `value_columns` across prompts; the result
+    has `columns` and `aggregate`."""
     runs = pd.concat(list(tables), ignore_index=True)
     runs["aggregate"] = "run"
-    numeric = runs[STAT_COLUMNS].astype("float64")
-    grouped = numeric.groupby([runs[c] for c in GROUP_COLUMNS], dropna=False, sort=True)
+    numeric = runs[list(value_columns)].astype("float64")
+    grouped = numeric.groupby([runs[c] for c in group_columns], dropna=False, sort=True)
     parts = [runs]
     for aggregate, frame in (
         ("mean", grouped.mean()),
@@ -281,7 +289,7 @@ def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
         frame["prompt"] = "*"
         frame["aggregate"] = aggregate
         parts.append(frame)
-    return pd.concat(parts, ignore_index=True)[[*COLUMNS, "aggregate"]]
+    return pd.concat(parts, ignore_index=True)[[*columns, "aggregate"]]
 
 
 def write_summary(

@@ -156,12 +156,20 @@ def plan_stores(
         "sink_size": plan.sink_size,
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
     }
-    if store == "tokens":
-        attrs["tokens"] = plan.tokens
     folder = Path(outputs[0]).parent
     folder.mkdir(parents=True, exist_ok=True)
     block_size = os.statvfs(folder).f_frsize
+    options = {
+        "num_heads": cfg.num_heads,
+        "num_frames": geometry.num_frames,
+        "frame_seq_length": frame_seq_length,
+        "timesteps": plan.timesteps,
+        "pass_kinds": plan.pass_kinds,
+    }
     if store == "tokens":
+        attrs["tokens"] = plan.tokens
+        options["tokens"] = plan.tokens
+        writer_class = TokenStoreWriter
         store_bytes = token_store_disk_bytes(
             num_passes=len(plan.passes) if plan.tokens else 0,
             num_heads=cfg.num_heads,
@@ -173,6 +181,8 @@ def plan_stores(
         )
         what = "the token stores (float16 logits of the visible tiles, stored raw)"
     else:
+        options["frames_per_block"] = geometry.frames_per_block
+        writer_class = AttentionStoreWriter
         store_bytes = attention_store_disk_bytes(
             num_passes=len(plan.passes),
             num_heads=cfg.num_heads,
@@ -197,21 +207,8 @@ def plan_stores(
             what=what,
         )
     )
-    common = {
-        "num_heads": cfg.num_heads,
-        "num_frames": geometry.num_frames,
-        "frame_seq_length": frame_seq_length,
-        "timesteps": plan.timesteps,
-        "pass_kinds": plan.pass_kinds,
-    }
-    if store == "tokens":
-        common["tokens"] = plan.tokens
-        writer_class = TokenStoreWriter
-    else:
-        common["frames_per_block"] = geometry.frames_per_block
-        writer_class = AttentionStoreWriter
     return [
-        stack.enter_context(writer_class(out, attrs={**attrs, "layer": layer}, **common))
+        stack.enter_context(writer_class(out, attrs={**attrs, "layer": layer}, **options))
         for layer, out in zip(layers, outputs, strict=True)
     ]
 
