@@ -16,7 +16,7 @@ from matplotlib.collections import QuadMesh
 
 from sinkscope.analysis import figures, plots, policies
 
-from .workflowtools import REPO
+from .workflowtools import REPO, Named
 
 BLOCK = 2  # latent frames per block
 BLOCKS = 3  # query blocks 0, 1, 2: the last sees 6 frames
@@ -394,15 +394,6 @@ def test_figures_script_reads_the_policy_inputs(tmp_path):
     csv = write_table(tmp_path / "cat.csv", make_table())
     out = tmp_path / "figures"
     outputs = policy_outputs(out)
-
-    class Named(list):
-        def __init__(self, items=(), **named):
-            lists = (value for value in named.values() if isinstance(value, list))
-            super().__init__([*items, *(item for value in lists for item in value)])
-            self.__dict__.update(named)
-
-        def get(self, key, default=None):
-            return self.__dict__.get(key, default)
 
     snakemake = SimpleNamespace(
         input=Named(policies=[str(csv)]),

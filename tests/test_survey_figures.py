@@ -18,7 +18,7 @@ from sinkscope import frames
 from sinkscope.analysis import figures, plots, reduce, stats
 from sinkscope.storage import mark_complete
 
-from .workflowtools import REPO
+from .workflowtools import REPO, Named
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
 PASS_KINDS = ["denoise", "denoise", "denoise", "denoise", "cache"]
@@ -530,15 +530,6 @@ def test_figures_script_reads_the_named_inputs(tmp_path):
     attention, frame_paths = write_run(tmp_path, stores, datasets)
     out = tmp_path / "figures"
     outputs = [str(path) for path in survey_outputs(out, range(3))]
-
-    class Named(list):
-        def __init__(self, items=(), **named):
-            lists = (value for value in named.values() if isinstance(value, list))
-            super().__init__([*items, *(item for value in lists for item in value)])
-            self.__dict__.update(named)
-
-        def get(self, key, default=None):
-            return self.__dict__.get(key, default)
 
     figures_options = {
         "heads": [[0, 1]],

@@ -75,3 +75,16 @@ def demo_copy(demo_run: Path, dest: Path) -> Path:
     shutil.copytree(demo_run / "results", workdir / "results")
     shutil.copytree(demo_run / ".snakemake", workdir / ".snakemake")
     return workdir
+
+
+class Named(list):
+    """A stand-in for Snakemake's named lists (snakemake.input, .output, .params) for running a
+    script in-process: the unnamed items, then every named list's items, and `.name`/`.get`."""
+
+    def __init__(self, items=(), **named):
+        lists = (value for value in named.values() if isinstance(value, list))
+        super().__init__([*items, *(item for value in lists for item in value)])
+        self.__dict__.update(named)
+
+    def get(self, key, default=None):
+        return self.__dict__.get(key, default)
