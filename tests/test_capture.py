@@ -91,6 +91,23 @@ def _roped(x: torch.Tensor, start_frame: int, frames: int) -> np.ndarray:
     return reference_rope(heads, (frames, *GRID_HW), start_frame)
 
 
+def _calls_with_keys(calls):
+    """For each model call of the tiny rollout, in order: (first frame of its block, block size,
+    step, its roped q [block tokens, H, D], roped keys by absolute frame). The cache holds the
+    clean keys of each earlier block's cache pass, plus the call's own keys."""
+    sizes = TINY_GEOMETRY.block_sizes
+    clean_keys = {}
+    for block, start in enumerate(block_starts(sizes)):
+        start, size = int(start), sizes[block]
+        for step in range(5):
+            q_raw, k_raw = calls[block * 5 + step]
+            roped_k = _roped(k_raw, start, size)
+            own = {start + i: roped_k[i * T : (i + 1) * T] for i in range(size)}
+            yield start, size, step, _roped(q_raw, start, size), {**clean_keys, **own}
+            if step == 4:
+                clean_keys.update(own)
+
+
 @pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 2)], ids=["full", "sink"])
 def test_stored_logits_equal_q_dot_k_over_sqrt_d(
     tmp_path, tiny_model, tiny_text, local_attn_size, sink_size
@@ -100,30 +117,17 @@ def test_stored_logits_equal_q_dot_k_over_sqrt_d(
     calls = _capture_rollout(
         tiny_model, tiny_text, store, layer, local_attn_size=local_attn_size, sink_size=sink_size
     )
-    sizes = TINY_GEOMETRY.block_sizes
-    seen = visible_frames(sizes, local_attn_size, sink_size)
+    seen = visible_frames(TINY_GEOMETRY.block_sizes, local_attn_size, sink_size)
     stored = xr.open_zarr(store).logits.values.astype(np.float64)
     n = TINY_GEOMETRY.num_frames * T
     expected = np.full((5, TINY.num_heads, n, n), np.nan)
-    # Keys in the cache are the clean keys of each earlier block's cache pass.
-    clean_keys = {}
-    for block, start in enumerate(block_starts(sizes)):
-        start, size = int(start), sizes[block]
-        for step in range(5):
-            q_raw, k_raw = calls[block * 5 + step]
-            q = _roped(q_raw, start, size)
-            keys = dict(clean_keys)
-            roped_k = _roped(k_raw, start, size)
-            for i in range(size):
-                keys[start + i] = roped_k[i * T : (i + 1) * T]
-            rows = slice(start * T, (start + size) * T)
-            for key_frame in np.flatnonzero(seen[start]):
-                cols = slice(key_frame * T, (key_frame + 1) * T)
-                expected[step, :, rows, cols] = np.einsum(
-                    "qhd,khd->hqk", q, keys[key_frame]
-                ) / math.sqrt(TINY.head_dim)
-            if step == 4:
-                clean_keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
+    for start, size, step, q, keys in _calls_with_keys(calls):
+        rows = slice(start * T, (start + size) * T)
+        for key_frame in np.flatnonzero(seen[start]):
+            cols = slice(key_frame * T, (key_frame + 1) * T)
+            expected[step, :, rows, cols] = np.einsum(
+                "qhd,khd->hqk", q, keys[key_frame]
+            ) / math.sqrt(TINY.head_dim)
     np.testing.assert_array_equal(np.isnan(stored), np.isnan(expected))
     np.testing.assert_allclose(stored, expected, rtol=2e-3, atol=2e-3, equal_nan=True)
     # NaN exactly on the tiles a block-causal query cannot see (here checked per frame pair).

@@ -29,7 +29,7 @@ from sinkscope.wan.config import WanConfig
 from sinkscope.wan.demo import DEMO_MODEL
 
 from .conftest import TINY, TINY_GEOMETRY, make_tiny_model
-from .test_capture import T, _capture_rollout, _roped, _write_inputs
+from .test_capture import T, _calls_with_keys, _capture_rollout, _write_inputs
 from .test_reduce import brute_force
 
 
@@ -59,35 +59,24 @@ def test_softmax_reductions_equal_float64_brute_force(row_chunk):
 
 def _brute_attention(calls, local_attn_size, sink_size):
     """key_mass [5, H, F, N] and entropy [5, H, F] in float64 from the recorded q and k."""
-    sizes = TINY_GEOMETRY.block_sizes
-    seen = visible_frames(sizes, local_attn_size, sink_size)
+    seen = visible_frames(TINY_GEOMETRY.block_sizes, local_attn_size, sink_size)
     num_frames = TINY_GEOMETRY.num_frames
     heads = TINY.num_heads
     key_mass = np.full((5, heads, num_frames, num_frames * T), np.nan)
     entropy = np.full((5, heads, num_frames), np.nan)
-    clean_keys = {}
     scale = 1 / math.sqrt(TINY.head_dim)
-    for block, start in enumerate(block_starts(sizes)):
-        start, size = int(start), sizes[block]
-        for step in range(5):
-            q_raw, k_raw = calls[block * 5 + step]
-            q = _roped(q_raw, start, size)
-            roped_k = _roped(k_raw, start, size)
-            keys = dict(clean_keys)
-            keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
-            for i in range(size):
-                frame = start + i
-                visible = np.flatnonzero(seen[frame])
-                k_all = np.concatenate([keys[f] for f in visible])
-                columns = np.concatenate([np.arange(f * T, (f + 1) * T) for f in visible])
-                for head in range(heads):
-                    mass, entropies = _brute_softmax(
-                        q[i * T : (i + 1) * T, head], k_all[:, head], scale
-                    )
-                    key_mass[step, head, frame, columns] = mass
-                    entropy[step, head, frame] = entropies.mean()
-            if step == 4:
-                clean_keys.update({start + i: roped_k[i * T : (i + 1) * T] for i in range(size)})
+    for start, size, step, q, keys in _calls_with_keys(calls):
+        for i in range(size):
+            frame = start + i
+            visible = np.flatnonzero(seen[frame])
+            k_all = np.concatenate([keys[f] for f in visible])
+            columns = np.concatenate([np.arange(f * T, (f + 1) * T) for f in visible])
+            for head in range(heads):
+                mass, entropies = _brute_softmax(
+                    q[i * T : (i + 1) * T, head], k_all[:, head], scale
+                )
+                key_mass[step, head, frame, columns] = mass
+                entropy[step, head, frame] = entropies.mean()
     return key_mass, entropy
 
 
