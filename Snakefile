@@ -30,6 +30,7 @@ include: "rules/reduce.smk"
 include: "rules/stats.smk"
 include: "rules/policies.smk"
 include: "rules/figures.smk"
+include: "rules/closed_loop.smk"
 
 
 # On a cluster these run in the main Snakemake process: seconds each, not worth a queue slot.
@@ -41,6 +42,7 @@ localrules:
     summary,
     figures,
     compare_figures,
+    closed_loop_summary,
 
 
 # Every output a user opens is a target, so a plain rerun restores whatever is missing.
@@ -83,3 +85,12 @@ rule all:
             prompt=PROMPTS,
         ),
         [figure.path for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES],
+        [
+            f"results/closed_loop/{checkpoint}/{prompt}/{policy}/layer{layer}.zarr"
+            for checkpoint, prompt in CLOSED_LOOP_RUNS
+            for policy in ["full", *CLOSED_LOOP_POLICIES]
+            if policy != "top_c"
+            for layer in CLOSED_LOOP_SURVEY
+        ],
+        ["results/closed_loop/summary.csv"] if CLOSED_LOOP_POLICIES else [],
+        [figure.path for figure in CLOSED_LOOP_FIGURES],

@@ -1,13 +1,17 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
 import re
 
-from sinkscope.analysis.figures import compare_figures, policy_figures, run_figures
+from sinkscope.analysis.figures import closed_loop_figures, compare_figures
+from sinkscope.analysis.figures import policy_figures, run_figures
 from sinkscope.analysis.figures import survey_compare_figures
 from sinkscope.analysis.figures import survey_figures as survey_figure_files
 from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.entries import (
     ConfigError,
+    CLOSED_LOOP_FRAME_POLICIES,
     checkpoint_inputs,
+    closed_loop_policies,
+    closed_loop_runs,
     demo_text_encoder_dir,
     frame_layers,
     is_demo_checkpoint,
@@ -17,6 +21,7 @@ from sinkscope.workflow.entries import (
 )
 from sinkscope.workflow.params import (
     canonical,
+    closed_loop_settings,
     extraction_gpus,
     extraction_settings,
     prompt_encoder,
@@ -25,6 +30,7 @@ from sinkscope.workflow.params import (
 from sinkscope.workflow.resources import (
     POLICIES_MINUTES,
     REDUCE_MB,
+    closed_loop_runtime,
     encode_gpus,
     encode_mem_mb,
     extract_mem_mb,
@@ -75,6 +81,19 @@ COMPARE_FIGURES = compare_figures(
     "results/figures/compare", TOKEN_LAYERS, HEAD_LAYERS, config["figures"]["format"]
 )
 
+# The closed loop (Contract 6): policies rolled out, the (checkpoint, prompt) runs they are
+# rolled out for, the layers captured inside those rollouts, and the figures across them.
+CLOSED_LOOP_POLICIES = closed_loop_policies(config)
+CLOSED_LOOP_RUNS = closed_loop_runs(config)
+CLOSED_LOOP_SURVEY = config["closed_loop"]["survey"] if CLOSED_LOOP_POLICIES else []
+CLOSED_LOOP_FIGURES = (
+    closed_loop_figures("results/figures/compare", config["figures"]["format"])
+    if CLOSED_LOOP_POLICIES
+    else []
+)
+
+# What each extraction job claims of the `gpu` resource: nothing for CPU jobs on this machine.
+GPU_PER_JOB = extraction_gpus(config, workflow.local_exec)
 
 KEEP_TOKENS = config["capture"]["keep_tokens"]
 
@@ -89,6 +108,16 @@ def checkpoint_files_input(wildcards):
     mtime. Demo checkpoints are outputs of this workflow, rerun by the usual rules."""
     files = checkpoint_inputs(config, wildcards.checkpoint)
     return files if is_demo_checkpoint(config, wildcards.checkpoint) else ancient(files)
+
+
+def closed_loop_stores(policy):
+    """Attention stores captured inside a closed-loop rollout of `policy` (closed_loop.survey)."""
+    return [
+        directory(
+            f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}/layer{layer}.zarr"
+        )
+        for layer in CLOSED_LOOP_SURVEY
+    ]
 
 
 def one_of(names):

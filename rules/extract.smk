@@ -15,7 +15,7 @@ rule extract:
         "../envs/extract.yaml"
     threads: 1
     resources:
-        gpu=extraction_gpus(config),
+        gpu=GPU_PER_JOB,
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
         runtime=lambda wildcards: extract_runtime(config, wildcards.checkpoint),
     params:
@@ -43,7 +43,7 @@ if SURVEY_LAYERS:
             "../envs/extract.yaml"
         threads: 1
         resources:
-            gpu=extraction_gpus(config),
+            gpu=GPU_PER_JOB,
             mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
             runtime=lambda wildcards: survey_runtime(config, wildcards.checkpoint),
         params:

@@ -12,7 +12,7 @@ rule encode_prompt:
     conda:
         "../envs/extract.yaml"
     resources:
-        gpu=lambda wildcards: encode_gpus(config, wildcards.prompt),
+        gpu=lambda wildcards: encode_gpus(config, wildcards.prompt, workflow.local_exec),
         mem_mb=lambda wildcards: encode_mem_mb(config, wildcards.prompt),
     params:
         text=lambda wildcards: prompt_text(config, wildcards.prompt),

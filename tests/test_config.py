@@ -14,7 +14,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from sinkscope.wan.spec import CheckpointSpec
-from sinkscope.workflow import entries
+from sinkscope.workflow import entries, params
 from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.entries import (
     ConfigError,
@@ -23,7 +23,7 @@ from sinkscope.workflow.entries import (
     survey_layers,
     token_layers,
 )
-from sinkscope.workflow.params import extraction_settings
+from sinkscope.workflow.params import closed_loop_settings, extraction_gpus, extraction_settings
 
 from .workflowtools import REPO
 
@@ -135,6 +135,36 @@ def test_schema_refuses(change, message):
             lambda c: c["checkpoints"]["demo_a"].update(generator="x.pt"),
             "checkpoints.demo_a.generator: a demo checkpoint has no generator file",
         ),
+        (
+            lambda c: c["closed_loop"].update(runs=[["demo_a", "fox"]]),
+            "closed_loop.runs: prompt 'fox' is not one of ['eagle', 'harbor']",
+        ),
+        (
+            lambda c: c["closed_loop"].update(budget=8),
+            "closed_loop.budget=8 is not one of policies.budgets [3, 6, 9, 12]",
+        ),
+        (
+            lambda c: c["closed_loop"].update(sink_frames=2),
+            "closed_loop.sink_frames=2 is not one of policies.sinks [0, 1, 3]",
+        ),
+        (
+            lambda c: (
+                c["closed_loop"].update(budget=6, sink_frames=3, policies=["deep_sink"])
+                or c["policies"].update(sinks=[3, 4])
+                or c["closed_loop"].update(sink_frames=4)
+            ),
+            "closed_loop.budget=6 leaves 3 frames beside the own block of 3 "
+            "(video.frames_per_block), fewer than closed_loop.sink_frames=4 of deep_sink",
+        ),
+        (
+            lambda c: c["closed_loop"].update(budget=3, policies=["top_c"]),
+            "fewer than policies.recent_frames=3 of top_c",
+        ),
+        (
+            lambda c: c["closed_loop"].update(survey=[4]),
+            "closed_loop.survey: [4] out of range for checkpoint 'demo_a'",
+        ),
+        (lambda c: c["closed_loop"].update(num_frames=42.0), "closed_loop.num_frames: 42.0"),
     ],
     ids=[
         "missing-checkpoint",
@@ -158,6 +188,13 @@ def test_schema_refuses(change, message):
         "temporary-token-stores-of-surveyed-layers",
         "policy-budget-not-swept",
         "demo-with-generator",
+        "closed-loop-unknown-run",
+        "closed-loop-budget-not-swept",
+        "closed-loop-sinks-not-swept",
+        "closed-loop-sinks-fill-the-cache",
+        "closed-loop-recent-fill-the-cache",
+        "closed-loop-survey-out-of-range",
+        "closed-loop-integer",
     ],
 )
 def test_check_config_names_the_key(change, message):
@@ -235,3 +272,48 @@ def test_survey_params_do_not_depend_on_capture_tokens(tmp_path):
     config["capture"]["tokens"] = False
     assert extraction_settings(config, "demo_a", cache, store="attention") == survey
     assert extraction_settings(config, "demo_a", cache) != tokens
+
+
+def test_closed_loop_entries_and_params(tmp_path):
+    config = checked()
+    assert entries.closed_loop_runs(config) == [("demo_a", "eagle")]
+    assert entries.closed_loop_policy(config, "deep_sink") == {
+        "name": "deep_sink",
+        "budget": 9,
+        "sink_frames": 3,
+    }
+    assert entries.closed_loop_policy(config, "top_c") == {
+        "name": "top_c",
+        "budget": 9,
+        "recent_frames": 3,
+    }
+    settings = closed_loop_settings(config, "demo_a", "window", cache=tmp_path / "digests.json")
+    assert settings["video"]["num_frames"] == 42
+    assert settings["policy"] == {"name": "window", "budget": 9}
+    # The sampler's window is not the closed loop's cache: a change there reruns nothing.
+    config["sampler"].update(local_attn_size=21, sink_size=3)
+    again = closed_loop_settings(config, "demo_a", "window", cache=tmp_path / "digests.json")
+    assert again == settings
+    config["closed_loop"]["policies"] = []
+    assert entries.closed_loop_runs(config) == []
+    everything = checked(lambda c: c["closed_loop"].pop("runs"))
+    assert len(entries.closed_loop_runs(everything)) == 4
+
+
+def test_cpu_jobs_on_this_machine_claim_no_gpu(monkeypatch, tmp_path):
+    from sinkscope.workflow import gpus
+
+    config = checked()
+    real_host_has_gpu = gpus.host_has_gpu
+    monkeypatch.delenv("SINKSCOPE_FAKE_GPUS", raising=False)
+    monkeypatch.setattr(params, "host_has_gpu", lambda: False)
+    assert extraction_gpus(config, local=True) == 0
+    assert extraction_gpus(config, local=False) == 1  # a cluster node decides for itself
+    monkeypatch.setattr(params, "host_has_gpu", lambda: True)
+    assert extraction_gpus(config, local=True) == 1
+    assert extraction_gpus({**config, "device": "cpu"}, local=False) == 0
+    monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "2")
+    assert real_host_has_gpu()
+    monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not real_host_has_gpu()  # a GPU hidden from every job

@@ -16,7 +16,8 @@ from .workflowtools import REPO
 def test_every_kind_has_a_function_and_a_caption(kind):
     builder = getattr(plots, kind.builder)
     first = next(iter(inspect.signature(builder).parameters))
-    assert first == {"layer": "ds", "policies": "table"}.get(kind.scope, "datasets")
+    tables = {"layer": "ds", "policies": "table", "closed_loop": "table"}
+    assert first == tables.get(kind.scope, "datasets")
     assert (REPO / "report" / kind.caption).is_file()
 
 

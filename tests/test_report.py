@@ -58,6 +58,9 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
     for figure in compare:
         caption = figure.kind.caption.removesuffix(".rst")
         expected[figure.path] = ("across checkpoints and prompts", caption, figure.labels)
+    for figure in figures.closed_loop_figures("results/figures/compare", FORMAT):
+        caption = figure.kind.caption.removesuffix(".rst")
+        expected[figure.path] = ("closed loop", caption, figure.labels)
     return expected
 
 
@@ -172,6 +175,11 @@ def test_report_holds_the_summary_table(demo_report):
     )
     policies = "results/policies/summary.csv"
     assert set(categories["KV-cache policies"]["all runs"]) == {policies}
+    closed = "results/closed_loop/summary.csv"
+    assert set(categories["KV-cache policies"]["closed loop"]) == {closed}
+    deviation = pd.read_csv(io.BytesIO(decode_data_uri(results[closed]["data_uri"])))
+    assert set(deviation["policy"]) == set(CONFIG["closed_loop"]["policies"])
+    assert plain_text(first_line("closed_loop_summary")) in plain_text(results[closed]["caption"])
     recall = pd.read_csv(io.BytesIO(decode_data_uri(results[policies]["data_uri"])))
     assert set(recall["policy"]) == {"window", "sink_window", "top_c", "top_c_oracle"}
     entry = results[path]
@@ -195,4 +203,5 @@ def test_report_describes_the_workflow(demo_report):
 def test_every_caption_file_is_used():
     captions = {path.stem for path in (REPO / "report").glob("*.rst")}
     used = {caption for _, caption, _ in expected_figures().values()}
-    assert captions == used | {"summary", "sink_rate", "policy_summary", "workflow"}
+    tables = {"summary", "sink_rate", "policy_summary", "closed_loop_summary", "workflow"}
+    assert captions == used | tables

@@ -27,6 +27,7 @@ def small_config(config: dict) -> None:
     config["layers"] = [0]
     config["capture"]["survey"] = "none"  # token stores only: extract -> reduce
     config["figures"]["heads"] = [[0, 0]]
+    config["closed_loop"]["policies"] = []
 
 
 def outputs_of(workdir: Path, checkpoint: str) -> list[Path]:

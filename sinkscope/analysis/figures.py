@@ -3,8 +3,8 @@
 `FIGURES` maps each kind to the function that draws it (in `sinkscope.analysis.plots`), its
 caption (`report/<caption>`), how many files it makes and which layers it shows. The rules build
 their outputs and report labels from it (`run_figures`, `compare_figures`, and with a whole-model
-survey `survey_figures`, `survey_compare_figures`, and with KV-cache policy recall tables
-`policy_figures`); the figure scripts hand
+survey `survey_figures`, `survey_compare_figures`, with KV-cache policy recall tables
+`policy_figures`, and with closed-loop rollouts `closed_loop_figures`); the figure scripts hand
 their outputs to `plots.render_figures`, which asks `parse_figure_path` what each file is.
 
 Adding a figure: a `plot_*` function in plots.py, an entry here, a caption in report/, a test.
@@ -24,12 +24,18 @@ Scopes:
   (Contract 5, `results/policies/{checkpoint}/{prompt}.csv`): `policy_{kind}.{fmt}` next to the
   run's figures (`policy_figures`); the function gets that table (a DataFrame), not frame
   datasets.
+- `closed_loop`: one file across the runs of the closed loop (Contract 6, rollouts longer than
+  the cache under a KV-cache policy): `closed_loop_{kind}.{fmt}` in its folder
+  (`closed_loop_figures`, e.g. results/figures/closed_loop/closed_loop_deviation.svg); the
+  function gets a table (a DataFrame: the stacked deviation tables, or the closed-loop summary),
+  not frame datasets.
 `layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`),
-`surveyed` (every surveyed layer) or `policies` (every layer of the recall table). A `compare`
-kind of the `surveyed` layers compares surveys: `compare/survey_{kind}.{fmt}`
-(`survey_compare_figures`), not among `compare_figures`.
-File names of `surveyed` kinds start with `survey_`, those of `policies` kinds with `policy_`, and
-no other kind's name does.
+`surveyed` (every surveyed layer), `policies` (every layer of the recall table) or `model` (no
+layer picked: the closed loop changes the cache of every layer). A `compare` kind of the
+`surveyed` layers compares surveys: `compare/survey_{kind}.{fmt}` (`survey_compare_figures`),
+not among `compare_figures`.
+File names of `surveyed` kinds start with `survey_`, those of `policies` kinds with `policy_`,
+those of `closed_loop` kinds with `closed_loop_`, and no other kind's name does.
 
 Layers and heads are 0-based everywhere: file names, titles, labels and CSVs (layer 0 head 0 is
 L0H0; Deep Forcing's paper counts from 1, so its L1H1 and L5H10 are L0H0 and L4H9 here).
@@ -44,10 +50,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 
-SCOPES = ("layer", "run", "compare", "survey", "policies")
-LAYER_SETS = ("captured", "heads", "surveyed", "policies")
+SCOPES = ("layer", "run", "compare", "survey", "policies", "closed_loop")
+LAYER_SETS = ("captured", "heads", "surveyed", "policies", "model")
 SURVEY_PREFIX = "survey_"  # file names of survey figures: survey_{kind}.{fmt}
 POLICY_PREFIX = "policy_"  # file names of policy recall figures: policy_{kind}.{fmt}
+CLOSED_LOOP_PREFIX = "closed_loop_"  # file names of closed-loop figures: closed_loop_{kind}.{fmt}
+MODEL_LABEL = "all"  # the `layer` label of a figure of the whole model (layers `model`)
 FORMATS = ("svg", "png", "pdf")
 
 
@@ -70,7 +78,11 @@ class FigureKind:
             raise ValueError(
                 f"figure {self.name}: policy figures, and only they, show the recall table's layers"
             )
-        for prefix in (SURVEY_PREFIX, POLICY_PREFIX):
+        if (self.scope == "closed_loop") != (self.layers == "model"):
+            raise ValueError(
+                f"figure {self.name}: closed-loop figures, and only they, show the whole model"
+            )
+        for prefix in (SURVEY_PREFIX, POLICY_PREFIX, CLOSED_LOOP_PREFIX):
             if self.name.startswith(prefix):
                 raise ValueError(f"figure {self.name}: {prefix} is the file prefix of some kinds")
 
@@ -81,15 +93,17 @@ class FigureKind:
 
     @property
     def prefix(self) -> str:
-        """`survey_` for a survey figure, `policy_` for a policy figure, else nothing."""
+        """`survey_` for a survey figure, `policy_` for a policy figure, `closed_loop_` for a
+        closed-loop figure, else nothing."""
         if self.surveyed:
             return SURVEY_PREFIX
-        return POLICY_PREFIX if self.scope == "policies" else ""
+        return {"policies": POLICY_PREFIX, "closed_loop": CLOSED_LOOP_PREFIX}.get(self.scope, "")
 
     @property
     def stem(self) -> str:
         """The file name without folder and format: `survey_{name}` for a survey figure,
-        `policy_{name}` for a policy figure (a layer figure adds `layer{L}_` in front)."""
+        `policy_{name}` for a policy figure, `closed_loop_{name}` for a closed-loop figure (a
+        layer figure adds `layer{L}_` in front)."""
         return f"{self.prefix}{self.name}"
 
     @property
@@ -136,6 +150,20 @@ FIGURES = {
         FigureKind("recall", "plot_policy_recall", "policy_recall.rst", "policies", "policies"),
         FigureKind("sinks", "plot_policy_sinks", "policy_sinks.rst", "policies", "policies"),
         FigureKind("map", "plot_policy_map", "policy_map.rst", "policies", "policies"),
+        FigureKind(
+            "deviation",
+            "plot_closed_loop_deviation",
+            "closed_loop_deviation.rst",
+            "closed_loop",
+            "model",
+        ),
+        FigureKind(
+            "recall_deviation",
+            "plot_closed_loop_recall",
+            "closed_loop_recall.rst",
+            "closed_loop",
+            "model",
+        ),
     )
 }
 # The name of a file tells its kind: no two kinds may share a stem.
@@ -175,6 +203,8 @@ class FigureFile:
 
     @property
     def labels(self) -> dict[str, str]:
+        if self.kind.layers == "model":
+            return {"figure": self.kind.title, "layer": MODEL_LABEL}
         label = layer_range_label if self.kind.layers in ("surveyed", "policies") else layer_label
         return {"figure": self.kind.title, "layer": label(self.layers)}
 
@@ -233,6 +263,18 @@ def policy_figures(folder: str, layers: Sequence[int], fmt: str) -> list[FigureF
     folder), in registry order, drawn from the run's recall table of `layers` (the layers it
     holds, for the labels); none without layers."""
     return _layer_set_files(folder, layers, fmt, lambda kind: kind.scope == "policies")
+
+
+def closed_loop_figures(folder: str, fmt: str) -> list[FigureFile]:
+    """Every closed-loop figure in `folder` (e.g. results/figures/closed_loop), in registry order:
+    `{folder}/closed_loop_{kind}.{fmt}`, drawn from the deviation tables of every closed-loop
+    rollout and their summary (Contract 6); no layers picked (label `layer`: all)."""
+    _check_format(fmt)
+    return [
+        FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, ())
+        for kind in FIGURES.values()
+        if kind.scope == "closed_loop"
+    ]
 
 
 def _layer_set_files(folder, layers, fmt, wanted) -> list[FigureFile]:

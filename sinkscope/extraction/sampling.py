@@ -115,11 +115,14 @@ def rollout(
     dtype: torch.dtype = torch.float32,
     on_pass: PassHook | None = None,
     progress: bool = True,
+    caches: list | None = None,
 ) -> torch.Tensor:
     """Generate clean latents [1, C, F, H, W] block by block with a KV cache.
 
     Noise comes from a CPU generator seeded with `seed`, so the same seed gives the same video on
-    any device and whatever is captured.
+    any device, whatever is captured and whatever the cache keeps. `caches`: one per layer in
+    place of Self-Forcing's (`local_attn_size`, `sink_size`), e.g. a KV-cache policy's
+    (sinkscope.extraction.cache_policies).
     """
     device = torch.device(device)
     cfg = model.config
@@ -133,14 +136,17 @@ def rollout(
     )
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(shape, generator=generator)
-    caches = model.new_kv_caches(
-        num_frames=geometry.num_frames,
-        frame_seq_length=frame_seq_length,
-        local_attn_size=local_attn_size,
-        sink_size=sink_size,
-        device=device,
-        dtype=dtype,
-    )
+    if caches is None:
+        caches = model.new_kv_caches(
+            num_frames=geometry.num_frames,
+            frame_seq_length=frame_seq_length,
+            local_attn_size=local_attn_size,
+            sink_size=sink_size,
+            device=device,
+            dtype=dtype,
+        )
+    elif (local_attn_size, sink_size) != (-1, 0):
+        raise ValueError("give either caches or local_attn_size/sink_size, not both")
     text = model.embed_text(text.to(device=device, dtype=dtype))
     sizes = geometry.block_sizes
     output = torch.empty(shape, dtype=torch.float32)

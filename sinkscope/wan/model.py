@@ -118,6 +118,10 @@ class KVCache:
         visible = slice(max(0, local_end - self.max_attention_size), local_end)
         return self.k[:, visible], self.v[:, visible], self.slot_token[visible]
 
+    def observe(self, q: torch.Tensor) -> None:
+        """See the queries [B, n, H, D] that attend to what `update` returned; caches that choose
+        what to keep by attention (sinkscope.extraction.cache_policies) record it here."""
+
 
 @dataclass
 class AttentionContext:
@@ -164,7 +168,9 @@ class SelfAttention(_Attention):
         v = self.v(x).view(shape)
         query_start = ctx.start_frame * ctx.grid[1] * ctx.grid[2]
         if ctx.caches is not None:
-            k_all, v_all, key_tokens = ctx.caches[self.layer_index].update(k, v, query_start)
+            cache = ctx.caches[self.layer_index]
+            k_all, v_all, key_tokens = cache.update(k, v, query_start)
+            cache.observe(q)
             mask = None
         else:
             k_all, v_all = k, v

@@ -60,3 +60,20 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     batch, length, heads, dim = x.shape
     pairs = torch.view_as_complex(x.to(torch.float64).reshape(batch, length, heads, dim // 2, 2))
     return torch.view_as_real(pairs * angles).flatten(3).to(x.dtype)
+
+
+def rotate_frames(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Move post-RoPE keys x [B, L, heads, head_dim] by `shift` latent frames in time.
+
+    Only the temporal channels turn (by exp(i * omega * shift)); the height and width channels stay
+    as they are. Rotations compose, so this equals applying RoPE at the shifted positions to the
+    un-rotated keys: what a cache needs to move keys it stored post-RoPE (Deep Forcing's deep sink).
+    """
+    head_dim = x.shape[-1]
+    if abs(shift) >= MAX_POSITIONS:
+        raise ValueError(f"a shift of {shift} frames exceeds the RoPE table of {MAX_POSITIONS}")
+    table_f, table_h, table_w = rope_tables(head_dim, x.device)
+    turn = table_f[abs(shift)]
+    turn = turn.conj() if shift < 0 else turn
+    still = torch.ones(table_h.shape[1] + table_w.shape[1], dtype=turn.dtype, device=x.device)
+    return apply_rope(x, torch.cat([turn, still]).view(1, 1, -1))

@@ -23,6 +23,9 @@ from .entries import (
     ConfigError,
     checkpoint_inputs,
     checkpoint_spec,
+    closed_loop_policies,
+    closed_loop_policy,
+    closed_loop_runs,
     frame_layers,
     is_demo_checkpoint,
     is_demo_encoder,
@@ -65,6 +68,10 @@ INTEGER_KEYS = (
     "policies.sinks.*",
     "policies.recent_frames",
     "policies.budget",
+    "closed_loop.num_frames",
+    "closed_loop.budget",
+    "closed_loop.sink_frames",
+    "closed_loop.survey.*",
 )
 
 
@@ -209,6 +216,57 @@ def check_config(config: dict) -> None:
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
         )
+    _check_closed_loop(config)
+
+
+def _check_closed_loop(config: dict) -> None:
+    """The closed loop's runs exist, its budget and sinks are among the offline ones (so each
+    policy has a recall to set beside its deviation) and its cache can hold them."""
+    names = closed_loop_policies(config)
+    if not names:
+        return
+    loop, offline = config["closed_loop"], config["policies"]
+    for checkpoint, prompt in closed_loop_runs(config):
+        for key, name, known in (
+            ("checkpoint", checkpoint, config["checkpoints"]),
+            ("prompt", prompt, config["prompts"]),
+        ):
+            if name not in known:
+                raise ConfigError(f"closed_loop.runs: {key} {name!r} is not one of {sorted(known)}")
+    budget = closed_loop_policy(config, names[0])["budget"]
+    if budget not in offline["budgets"]:
+        raise ConfigError(
+            f"closed_loop.budget={budget} is not one of policies.budgets {offline['budgets']}, "
+            "so no recall would stand beside its deviation"
+        )
+    if {"sink_window", "deep_sink"} & set(names) and loop["sink_frames"] not in offline["sinks"]:
+        raise ConfigError(
+            f"closed_loop.sink_frames={loop['sink_frames']} is not one of policies.sinks "
+            f"{offline['sinks']}"
+        )
+    own = config["video"]["frames_per_block"]
+    for name in names:
+        entry = closed_loop_policy(config, name)
+        kept = entry.get("sink_frames", entry.get("recent_frames", 0))
+        if budget - own < kept:
+            key = "closed_loop.sink_frames" if "sink_frames" in entry else "policies.recent_frames"
+            raise ConfigError(
+                f"closed_loop.budget={budget} leaves {budget - own} frames beside the own block "
+                f"of {own} (video.frames_per_block), fewer than {key}={kept} of {name}"
+            )
+    if loop["num_frames"] < own:
+        raise ConfigError(
+            f"closed_loop.num_frames={loop['num_frames']} is less than one block "
+            f"(video.frames_per_block={own})"
+        )
+    for checkpoint in {checkpoint for checkpoint, _ in closed_loop_runs(config)}:
+        num_layers = model_config(config, checkpoint).num_layers
+        bad = [layer for layer in loop["survey"] if layer >= num_layers]
+        if bad:
+            raise ConfigError(
+                f"closed_loop.survey: {bad} out of range for checkpoint '{checkpoint}' "
+                f"with {num_layers} layers (0-based)"
+            )
 
 
 def _check_checkpoint_files(config: dict) -> None:

@@ -98,6 +98,39 @@ def frame_layers(config: dict) -> list[int]:
     return sorted(set(token_layers(config)) | set(survey_layers(config)))
 
 
+# Closed-loop policies whose caches hold whole frames: attention in them can be captured.
+CLOSED_LOOP_FRAME_POLICIES = ("window", "sink_window", "deep_sink")
+
+
+def closed_loop_policies(config: dict) -> list[str]:
+    """The KV-cache policies rolled out in the closed loop (`closed_loop.policies`)."""
+    return list(config.get("closed_loop", {}).get("policies", []))
+
+
+def closed_loop_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs of the closed loop: `closed_loop.runs`, or every pair; none
+    without policies."""
+    if not closed_loop_policies(config):
+        return []
+    runs = config["closed_loop"].get("runs")
+    if runs is None:
+        return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
+    return [(c, p) for c, p in runs]
+
+
+def closed_loop_policy(config: dict, name: str) -> dict:
+    """What the closed loop's policy `name` keeps (sinkscope.extraction.cache_policies)."""
+    if name == "full":
+        return {"name": "full"}
+    loop, offline = config["closed_loop"], config["policies"]
+    entry = {"name": name, "budget": loop.get("budget", offline["budget"])}
+    if name in ("sink_window", "deep_sink"):
+        entry["sink_frames"] = loop["sink_frames"]
+    if name == "top_c":
+        entry["recent_frames"] = offline["recent_frames"]
+    return entry
+
+
 def sampler_settings(config: dict, name: str) -> dict:
     """The global sampler with the checkpoint's overrides."""
     return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}

@@ -87,6 +87,17 @@ def fake_gpus() -> int:
     return int(value)
 
 
+def host_has_gpu() -> bool:
+    """Whether this machine shows a GPU a job could use (or fakes some), seen without torch: the
+    device nodes of NVIDIA's and AMD's drivers. Snakemake asks while it parses."""
+    if fake_gpus():
+        return True
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    nodes = [*Path("/dev").glob("nvidia[0-9]*"), Path("/dev/kfd")]
+    return any(node.exists() for node in nodes)
+
+
 def visible_gpu_ids(count: int) -> list[str]:
     """Names of the `count` GPUs this process sees, as the machine knows them (lock names).
 

@@ -13,11 +13,13 @@ from .entries import (
     ConfigError,
     checkpoint_inputs,
     checkpoint_spec,
+    closed_loop_policy,
     demo_seed,
     is_demo_checkpoint,
     prompt_embeddings,
     sampler_settings,
 )
+from .gpus import host_has_gpu
 
 
 def prompt_inputs(config: dict, name: str) -> dict[str, str]:
@@ -95,6 +97,28 @@ def extraction_settings(
     )
 
 
-def extraction_gpus(config: dict) -> int:
-    """GPUs an extraction job holds: none when it is told to run on the CPU."""
-    return 0 if config["device"] == "cpu" else 1
+def extraction_gpus(config: dict, local: bool = False) -> int:
+    """GPUs an extraction job holds: none when it is told to run on the CPU, or, for jobs run on
+    this machine (`local`), with `device: auto` on a machine without a GPU, so CPU jobs run side
+    by side instead of queueing for a `gpu` resource nothing uses. Jobs sent to a cluster ask
+    for one with `auto`: the machine they run on decides."""
+    if config["device"] == "cpu":
+        return 0
+    if config["device"] == "auto" and local and not host_has_gpu():
+        return 0
+    return 1
+
+
+def closed_loop_settings(
+    config: dict, name: str, policy: str, cache: str | Path = DIGEST_CACHE
+) -> dict:
+    """Everything a closed-loop rollout of checkpoint `name` under `policy` depends on: the
+    extraction settings at `closed_loop.num_frames`, the policy, and (with `closed_loop.survey`)
+    the captured passes. The sampler's own window and sinks do not apply: the policy is the
+    cache."""
+    settings = extraction_settings(config, name, cache, store="attention")
+    loop = config["closed_loop"]
+    settings["video"] = {**settings["video"], "num_frames": loop["num_frames"]}
+    settings["sampler"] = {**settings["sampler"], "local_attn_size": -1, "sink_size": 0}
+    settings["policy"] = closed_loop_policy(config, policy)
+    return canonical(settings)

@@ -90,15 +90,22 @@ def extract_runtime(config: dict, name: str) -> int:
     return EXTRACT_SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
 
 
+def closed_loop_runtime(config: dict, name: str) -> int:
+    """Minutes: setup and one rollout of closed_loop.num_frames (minutes on a GPU) with its
+    captured layers, at most a survey's time per frame."""
+    frames = config["closed_loop"]["num_frames"] / config["video"]["num_frames"]
+    return 2 * EXTRACT_SETUP_MINUTES + math.ceil(frames * survey_runtime(config, name))
+
+
 def reduce_runtime(config: dict, name: str) -> int:
     """Minutes: the token store read once at READ_MB_PER_S."""
     store_mb = layer_store_bytes(config, name) / 1e6
     return REDUCE_SETUP_MINUTES + math.ceil(store_mb / READ_MB_PER_S / 60)
 
 
-def encode_gpus(config: dict, prompt: str) -> int:
-    """A prompt that brings its embeddings needs no GPU to be copied."""
-    return extraction_gpus(config) if prompt_encoder(config, prompt) else 0
+def encode_gpus(config: dict, prompt: str, local: bool = False) -> int:
+    """A prompt that brings its embeddings needs no GPU to be copied (`local`: extraction_gpus)."""
+    return extraction_gpus(config, local) if prompt_encoder(config, prompt) else 0
 
 
 def encode_mem_mb(config: dict, prompt: str) -> int:

@@ -1,0 +1,303 @@
+"""Closed-loop deviation tables (Contract 6) and recall tables (Contract 5) -> one summary row
+per closed-loop rollout: how far a KV-cache policy drifts from the full-cache rollout, beside the
+offline recall of the same choice of keys.
+
+A deviation table (`results/closed_loop/{checkpoint}/{prompt}/{policy}.csv`, written by the GPU
+job `sinkscope.extraction.closed_loop`) has one row per latent frame of a rollout longer than the
+cache under one policy: `rel_l2` = ||x - ref|| / ||ref|| and `cosine` of that frame's clean latent
+x against the full-cache rollout ref of the same noise (so 0 and 1 where the cache has dropped
+nothing yet). `budget` B counts the latent frames of keys kept per query block, its own block
+included; `sink_frames` S is set for `sink_window` and `deep_sink`, `recent_frames` R for
+`top_c`, each 0 otherwise.
+
+The summary (`closed_loop_summary`) has one row per (checkpoint, prompt, policy, budget,
+sink_frames, recent_frames), frames and blocks 0-based:
+- `frames`: the latent frames of the rollout;
+- `evicting_from`: the first frame of the first block whose cache had to drop something, i.e. the
+  first block whose end (its last frame + 1, the frames its queries see) exceeds B; empty when no
+  block does (then every mean below is NaN);
+- `rel_l2_mean`, `cosine_mean`: the means of `rel_l2` and `cosine` over the frames
+  >= `evicting_from` (the frames before it equal the reference);
+- `rel_l2_last`: `rel_l2` of the last frame;
+- `rel_l2_beyond_training`: the mean of `rel_l2` over the frames >= `train_frames` (the length
+  the model was trained on, e.g. 21); NaN when the rollout has none;
+- `offline_policy`: the offline policy whose recall describes the closed-loop one
+  (`OFFLINE_POLICY`): `deep_sink` keeps the frames of `sink_window` (only the RoPE of its sink
+  keys differs), and a sink window of S = 0 is the offline `window`;
+- `recall`: the mean offline recall of that policy in the same run's recall table, at the same B
+  (and the same S for `sink_window`, the same R for `top_c`), over every row (layer, head, step,
+  pass, query block) whose query block sees more than B frames (`visible_frames` > B: where the
+  policy actually drops keys); `recall_rows`: how many rows that mean took. Without such rows
+  (a budget the recall table lacks, `top_c` without a layer with an attention store, a recall
+  table with no block longer than B) `recall` is NaN and `recall_rows` 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from sinkscope.analysis.policies import read_policies
+from sinkscope.storage import write_text_atomically
+
+DEVIATION_COLUMNS = [
+    "checkpoint",
+    "prompt",
+    "policy",
+    "budget",
+    "sink_frames",
+    "recent_frames",
+    "frame",
+    "block",
+    "rel_l2",
+    "cosine",
+]
+# A closed-loop rollout: the rows of one deviation table, and of one summary row.
+RUN_KEYS = ["checkpoint", "prompt", "policy", "budget", "sink_frames", "recent_frames"]
+# closed-loop policy -> the offline policy (Contract 5) that keeps the same keys
+OFFLINE_POLICY = {
+    "window": "window",
+    "sink_window": "sink_window",
+    "deep_sink": "sink_window",
+    "top_c": "top_c",
+}
+SUMMARY_COLUMNS = [
+    *RUN_KEYS,
+    "frames",
+    "evicting_from",
+    "rel_l2_mean",
+    "cosine_mean",
+    "rel_l2_last",
+    "rel_l2_beyond_training",
+    "offline_policy",
+    "recall",
+    "recall_rows",
+]
+_TEXT = ["checkpoint", "prompt", "policy"]
+_INTEGERS = ["budget", "sink_frames", "recent_frames", "frame", "block"]
+_FLOATS = ["rel_l2", "cosine"]
+# What the recall tables must hold for the summary.
+_RECALL_COLUMNS = [
+    "checkpoint",
+    "prompt",
+    "policy",
+    "budget",
+    "sink_frames",
+    "recent_frames",
+    "visible_frames",
+    "recall",
+]
+
+
+def read_deviation(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> pd.DataFrame:
+    """The deviation tables `paths` (Contract 6), stacked: text stays text, counts integers.
+
+    Refuses, naming the file, a table that lacks a column of `DEVIATION_COLUMNS`, has no rows,
+    a missing or fractional count, or a policy not in `OFFLINE_POLICY`; and a frame of one
+    rollout that appears twice."""
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    tables = [_read_one_deviation(path) for path in paths]
+    if not tables:
+        raise ValueError("read_deviation needs at least one deviation table")
+    table = pd.concat(tables, ignore_index=True)
+    repeated = table[table.duplicated([*RUN_KEYS, "frame"], keep=False)]
+    if not repeated.empty:
+        first = repeated.iloc[0]
+        files = sorted(set(repeated["source"]))
+        raise ValueError(
+            f"{', '.join(files)}: frame {first['frame']} of {_run_label(first)} appears "
+            f"{len(repeated[repeated['frame'] == first['frame']])} times"
+        )
+    return table.drop(columns="source").reset_index(drop=True)
+
+
+def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
+    try:
+        table = pd.read_csv(
+            path,
+            keep_default_na=False,
+            na_values={column: ["", "nan", "NaN"] for column in [*_INTEGERS, *_FLOATS]},
+            dtype={column: str for column in _TEXT},
+        )
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path}: empty file, not a deviation table") from None
+    missing = [column for column in DEVIATION_COLUMNS if column not in table.columns]
+    if missing:
+        raise ValueError(f"{path}: not a deviation table, it lacks the columns {missing}")
+    if table.empty:
+        raise ValueError(f"{path}: the deviation table has no rows")
+    for column in _INTEGERS:
+        values = pd.to_numeric(table[column], errors="coerce")
+        if values.isna().any() or (values != np.round(values)).any():
+            raise ValueError(f"{path}: column {column} must hold whole numbers")
+        table[column] = values.astype(np.int64)
+    for column in _FLOATS:
+        values = pd.to_numeric(table[column], errors="coerce")
+        if (values.isna() & table[column].notna()).any():
+            raise ValueError(f"{path}: column {column} must hold numbers")
+        table[column] = values.astype(np.float64)
+    unknown = sorted(set(table["policy"]) - set(OFFLINE_POLICY))
+    if unknown:
+        raise ValueError(f"{path}: policies {unknown} are not one of {list(OFFLINE_POLICY)}")
+    table = table[DEVIATION_COLUMNS].copy()
+    table["source"] = str(path)
+    return table
+
+
+def _run_label(row) -> str:
+    label = policy_label(row["policy"], row["budget"], row["sink_frames"], row["recent_frames"])
+    return f"{row['checkpoint']}/{row['prompt']} {label}"
+
+
+def policy_label(policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0) -> str:
+    """What figures and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9 S=3',
+    'top_c B=9 R=3' (as `CachePolicy.label` of the extraction does)."""
+    label = f"{policy} B={int(budget)}"
+    if policy in ("sink_window", "deep_sink"):
+        label += f" S={int(sink_frames)}"
+    elif policy == "top_c":
+        label += f" R={int(recent_frames)}"
+    return label
+
+
+def evicting_frame(frames: Sequence[int], blocks: Sequence[int], budget: int) -> int | None:
+    """The first frame of the first block whose end (its last frame + 1) exceeds `budget`: from
+    there on the cache has dropped keys. None when every block fits."""
+    table = pd.DataFrame({"frame": np.asarray(frames), "block": np.asarray(blocks)})
+    by_block = table.groupby("block")["frame"].agg(["min", "max"]).sort_index()
+    over = by_block[by_block["max"] + 1 > int(budget)]
+    return None if over.empty else int(over["min"].iloc[0])
+
+
+def offline_policy(policy: str, sink_frames: int = 0) -> str:
+    """The offline policy of a closed-loop one (`OFFLINE_POLICY`; S = 0 is `window`)."""
+    if policy not in OFFLINE_POLICY:
+        raise ValueError(f"closed-loop policy {policy!r} is not one of {list(OFFLINE_POLICY)}")
+    offline = OFFLINE_POLICY[policy]
+    return "window" if offline == "sink_window" and int(sink_frames) == 0 else offline
+
+
+def _offline_recall(
+    recall: pd.DataFrame, checkpoint: str, prompt: str, offline: str, budget, sink, recent
+) -> np.ndarray:
+    """The recalls of the rows of `recall` that describe one closed-loop rollout (module
+    docstring)."""
+    mask = (
+        (recall["checkpoint"].astype(str).to_numpy() == checkpoint)
+        & (recall["prompt"].astype(str).to_numpy() == prompt)
+        & (recall["policy"].astype(str).to_numpy() == offline)
+        & (recall["budget"].to_numpy() == budget)
+        & (recall["visible_frames"].to_numpy() > budget)
+    )
+    if offline == "sink_window":
+        mask &= recall["sink_frames"].astype("Float64").fillna(-1).to_numpy() == sink
+    elif offline == "top_c":
+        mask &= recall["recent_frames"].astype("Float64").fillna(-1).to_numpy() == recent
+    return recall["recall"].to_numpy(dtype=float)[mask]
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.mean(values)) if len(values) else math.nan
+
+
+def closed_loop_summary(
+    deviation: pd.DataFrame, recall_tables: pd.DataFrame, train_frames: int
+) -> pd.DataFrame:
+    """One row per closed-loop rollout of `deviation` (`read_deviation`), columns
+    `SUMMARY_COLUMNS`, defined in the module docstring; `recall_tables`: the runs' recall tables
+    (Contract 5, `policies.read_policies`) stacked, possibly empty."""
+    if int(train_frames) != train_frames or train_frames < 1:
+        raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
+    train_frames = int(train_frames)
+    missing = [column for column in DEVIATION_COLUMNS if column not in deviation.columns]
+    if missing:
+        raise ValueError(f"the deviation table lacks the columns {missing}")
+    if recall_tables.empty and not set(_RECALL_COLUMNS) <= set(recall_tables.columns):
+        recall_tables = pd.DataFrame({column: [] for column in _RECALL_COLUMNS})
+    missing = [column for column in _RECALL_COLUMNS if column not in recall_tables.columns]
+    if missing:
+        raise ValueError(f"the recall tables lack the columns {missing}")
+    order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
+    rows = []
+    for key, run in deviation.groupby(RUN_KEYS, sort=False):
+        checkpoint, prompt, policy, budget, sink, recent = key
+        run = run.sort_values("frame")
+        frame = run["frame"].to_numpy()
+        rel_l2 = run["rel_l2"].to_numpy(dtype=float)
+        cosine = run["cosine"].to_numpy(dtype=float)
+        start = evicting_frame(frame, run["block"].to_numpy(), int(budget))
+        evicting = frame >= start if start is not None else np.zeros(len(frame), dtype=bool)
+        offline = offline_policy(policy, sink)
+        recall = _offline_recall(
+            recall_tables, str(checkpoint), str(prompt), offline, int(budget), sink, recent
+        )
+        rows.append(
+            {
+                "checkpoint": str(checkpoint),
+                "prompt": str(prompt),
+                "policy": policy,
+                "budget": int(budget),
+                "sink_frames": int(sink),
+                "recent_frames": int(recent),
+                "frames": len(frame),
+                "evicting_from": pd.NA if start is None else start,
+                "rel_l2_mean": _mean(rel_l2[evicting]),
+                "cosine_mean": _mean(cosine[evicting]),
+                "rel_l2_last": float(rel_l2[-1]),
+                "rel_l2_beyond_training": _mean(rel_l2[frame >= train_frames]),
+                "offline_policy": offline,
+                "recall": _mean(recall),
+                "recall_rows": len(recall),
+                "_order": order[policy],
+            }
+        )
+    summary = pd.DataFrame(rows, columns=[*SUMMARY_COLUMNS, "_order"])
+    summary = summary.sort_values(
+        ["checkpoint", "prompt", "_order", "budget", "sink_frames", "recent_frames"]
+    )
+    summary["evicting_from"] = summary["evicting_from"].astype("Int64")
+    return summary[SUMMARY_COLUMNS].reset_index(drop=True)
+
+
+def read_closed_loop_summary(path: str | os.PathLike) -> pd.DataFrame:
+    """A summary as `write_closed_loop_summary` wrote it (text stays text, an empty
+    `evicting_from` stays NA); refuses, naming the file, one that lacks a column."""
+    table = pd.read_csv(
+        path,
+        keep_default_na=False,
+        na_values={column: ["", "nan", "NaN"] for column in SUMMARY_COLUMNS if column not in _TEXT},
+        dtype={column: str for column in [*_TEXT, "offline_policy"]},
+    )
+    missing = [column for column in SUMMARY_COLUMNS if column not in table.columns]
+    if missing:
+        raise ValueError(f"{path}: not a closed-loop summary, it lacks the columns {missing}")
+    table["evicting_from"] = table["evicting_from"].astype("Int64")
+    return table[SUMMARY_COLUMNS]
+
+
+def write_closed_loop_summary(
+    deviation_paths: Sequence[str | os.PathLike],
+    policy_paths: Sequence[str | os.PathLike],
+    path: str | os.PathLike,
+    train_frames: int,
+) -> pd.DataFrame:
+    """`closed_loop_summary` of the deviation tables `deviation_paths` and the recall tables
+    `policy_paths` (those of the same runs; none gives NaN recall), written atomically as CSV to
+    `path`; returns it."""
+    deviation = read_deviation(list(deviation_paths))
+    tables = []
+    for policy_path in policy_paths:
+        header = pd.read_csv(policy_path, nrows=0).columns
+        missing = [column for column in _RECALL_COLUMNS if column not in header]
+        if missing:
+            raise ValueError(f"{policy_path}: not a recall table, it lacks the columns {missing}")
+        tables.append(read_policies(policy_path))
+    recall = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+    summary = closed_loop_summary(deviation, recall, train_frames)
+    write_text_atomically(path, summary.to_csv(index=False))
+    return summary

@@ -1,0 +1,278 @@
+"""The closed loop (Contract 6): a rollout longer than the cache under a KV-cache policy, and how
+far its clean latents drift from the full-cache rollout of the same noise.
+
+A job rolls out one (checkpoint, prompt, policy) and writes its x0 latents (safetensors). The
+`full` policy's latents are the reference; every other policy's job reads them and writes the
+deviation of each latent frame (relative L2 and cosine over channels x height x width, float64).
+Same seed, same schedule, same noise draws: the cache is the only difference, so a policy whose
+budget covers every frame gives the reference bit for bit. Attention inside a rollout of a
+frame-level policy can be captured into attention stores (Contract 4) as in a survey.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sinkscope import __version__
+from sinkscope.frames import block_sizes
+from sinkscope.storage import atomic_path, write_text_atomically
+from sinkscope.wan.text import load_prompt_embedding
+from sinkscope.workflow.gpus import job_device
+
+from .cache_policies import FRAME_POLICIES, CachePolicy, TopCKVCache
+from .capture import LogitCapture
+from .job import RolloutPlan, load_checkpoint, model_dtype, plan_stores, prompt_token_attrs
+from .sampling import rollout
+
+LATENTS_KEY = "x0"
+DEVIATION_COLUMNS = [
+    "checkpoint",
+    "prompt",
+    "policy",
+    "budget",
+    "sink_frames",
+    "recent_frames",
+    "frame",
+    "block",
+    "rel_l2",
+    "cosine",
+]
+# What must match between a policy's rollout and its reference for the comparison to mean anything.
+_SAME_ROLLOUT = ("checkpoint_sha256", "prompt", "seed", "num_frames", "sampler", "video")
+
+log = logging.getLogger(__name__)
+
+
+def policy_of(settings: dict) -> CachePolicy:
+    entry = settings["policy"]
+    return CachePolicy(
+        name=entry["name"],
+        budget=entry.get("budget", 0),
+        sink_frames=entry.get("sink_frames", 0),
+        recent_frames=entry.get("recent_frames", 0),
+    )
+
+
+def save_latents(path: str | Path, latents: torch.Tensor, metadata: dict) -> None:
+    """x0 latents [C, F, H, W] (float32) and their provenance (JSON values), atomically."""
+    with atomic_path(path) as temporary:
+        save_file(
+            {LATENTS_KEY: latents.contiguous()},
+            str(temporary),
+            metadata={key: json.dumps(value) for key, value in metadata.items()},
+        )
+
+
+def load_latents(path: str | Path) -> tuple[torch.Tensor, dict]:
+    """What `save_latents` wrote: the latents and the provenance."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if LATENTS_KEY not in handle.keys():
+                raise ValueError(f"{path}: no '{LATENTS_KEY}' tensor; it has {list(handle.keys())}")
+            latents = handle.get_tensor(LATENTS_KEY)
+            metadata = {key: json.loads(value) for key, value in handle.metadata().items()}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"reference latents not found: {path}") from None
+    return latents, metadata
+
+
+def frame_deviation(latents: torch.Tensor, reference: torch.Tensor) -> tuple[list, list]:
+    """Per latent frame of [C, F, H, W]: relative L2 ||x - ref|| / ||ref|| and cosine <x, ref> /
+    (||x|| ||ref||), over channels x height x width, in float64."""
+    x = latents.double().transpose(0, 1).flatten(1)
+    ref = reference.double().transpose(0, 1).flatten(1)
+    rel_l2 = (x - ref).norm(dim=1) / ref.norm(dim=1)
+    # Rounding can put identical frames a few ulp above 1.
+    cosine = ((x * ref).sum(dim=1) / (x.norm(dim=1) * ref.norm(dim=1))).clamp(-1.0, 1.0)
+    return rel_l2.tolist(), cosine.tolist()
+
+
+def deviation_csv(
+    latents: torch.Tensor,
+    reference: torch.Tensor,
+    *,
+    checkpoint: str,
+    prompt: str,
+    policy: CachePolicy,
+    frames_per_block: int,
+) -> str:
+    """The deviation table of one policy rollout against its reference (Contract 6)."""
+    rel_l2, cosine = frame_deviation(latents, reference)
+    sizes = block_sizes(latents.shape[1], frames_per_block)
+    blocks = [block for block, size in enumerate(sizes) for _ in range(size)]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(DEVIATION_COLUMNS)
+    for frame, (block, l2, cos) in enumerate(zip(blocks, rel_l2, cosine, strict=True)):
+        writer.writerow(
+            [
+                checkpoint,
+                prompt,
+                policy.name,
+                policy.budget,
+                policy.sink_frames,
+                policy.recent_frames,
+                frame,
+                block,
+                repr(l2),
+                repr(cos),
+            ]
+        )
+    return out.getvalue()
+
+
+def _check_reference(path: str | Path, latents: torch.Tensor, mine: dict, theirs: dict) -> None:
+    if theirs.get("policy", {}).get("name") != "full":
+        raise ValueError(f"{path}: not a full-cache rollout (policy {theirs.get('policy')})")
+    for key in _SAME_ROLLOUT:
+        if theirs.get(key) != mine.get(key):
+            raise ValueError(
+                f"{path}: the reference has {key}={theirs.get(key)!r}, this rollout "
+                f"{mine.get(key)!r}; rerun the reference"
+            )
+    if tuple(latents.shape) != tuple(theirs["shape"]):
+        raise ValueError(f"{path}: latents {theirs['shape']} vs {list(latents.shape)}")
+
+
+def _cache_plan(plan: RolloutPlan, policy: CachePolicy) -> RolloutPlan:
+    """The plan as the attention stores record it: the window and sinks the policy keeps."""
+    if policy.name == "full":
+        return replace(plan, local_attn_size=-1, sink_size=0)
+    sinks = policy.sink_frames if policy.name in ("sink_window", "deep_sink") else 0
+    return replace(plan, local_attn_size=policy.budget, sink_size=sinks)
+
+
+def closed_loop(
+    *,
+    checkpoint_name: str,
+    prompt_name: str,
+    prompt_embeddings: str | Path,
+    settings: dict,
+    latents_path: str | Path,
+    reference: str | Path | None = None,
+    deviation_path: str | Path | None = None,
+    layers: Sequence[int] = (),
+    stores: Sequence[str | Path] = (),
+    progress: bool = True,
+) -> None:
+    """Roll out under `settings["policy"]`, write the latents and, given the full-cache
+    `reference` latents, the per-frame deviation table; capture the attention of `layers` into
+    attention `stores` on the way.
+
+    settings: `sinkscope.workflow.params.closed_loop_settings` (the extraction settings at the
+    closed loop's length, with `policy`).
+    """
+    policy = policy_of(settings)
+    plan = _cache_plan(RolloutPlan.from_settings(settings), policy)
+    geometry = plan.geometry
+    policy.check(geometry.frames_per_block)
+    if (reference is None) != (deviation_path is None):
+        raise ValueError("a reference and a deviation table go together")
+    if policy.name != "full" and reference is None:
+        raise ValueError(f"{policy.label}: a policy rollout needs the full-cache reference")
+    if len(layers) != len(stores):
+        raise ValueError(f"{len(layers)} layers but {len(stores)} stores")
+    if layers and policy.name not in FRAME_POLICIES:
+        raise ValueError(
+            f"{policy.name} keeps tokens, not frames: attention in its rollout cannot be captured"
+        )
+    with job_device(settings["device"]) as claim:
+        started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        device = torch.device(claim.device)
+        dtype = model_dtype(device)
+        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+        cfg = model.config
+        text, text_meta = load_prompt_embedding(prompt_embeddings, text_dim=cfg.text_dim)
+        frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
+        provenance = {
+            "checkpoint": checkpoint_name,
+            "checkpoint_sha256": checkpoint_sha256,
+            "prompt": prompt_name,
+            "prompt_text": text_meta.get("prompt", ""),
+            **prompt_token_attrs(text_meta),
+            "seed": settings["seed"],
+            "num_frames": geometry.num_frames,
+            "sampler": settings["sampler"],
+            "video": settings["video"],
+            "policy": settings["policy"],
+            "sinkscope_version": __version__,
+            "device": str(device),
+            "gpu": claim.record(),
+            "started_at": started_at,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        caches = policy.new_caches(
+            model,
+            num_frames=geometry.num_frames,
+            frame_seq_length=frame_seq_length,
+            frames_per_block=geometry.frames_per_block,
+            device=device,
+            dtype=dtype,
+        )
+        scorers = [cache for cache in caches if isinstance(cache, TopCKVCache)]
+        with contextlib.ExitStack() as stack:
+            capture = None
+            if layers:
+                attrs = {**provenance, "config": settings}
+                writers = plan_stores(cfg, plan, layers, stores, attrs, stack, "attention")
+                by_layer = dict(zip(layers, writers, strict=True))
+                capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)
+                model.set_capture(capture, capture.layers)
+
+            def on_pass(block: int, pass_index: int, kind: str, timestep: float) -> None:
+                # top_c chooses by the attention of each block's cache-update pass.
+                for cache in scorers:
+                    cache.scoring = kind == "cache"
+                if capture is not None:
+                    capture.begin_pass(block, pass_index, kind, timestep)
+
+            log.info(
+                "closed loop: %s, %d latent frames (%d blocks) of %s / %s",
+                policy.label,
+                geometry.num_frames,
+                len(geometry.block_sizes),
+                checkpoint_name,
+                prompt_name,
+            )
+            try:
+                latents = rollout(
+                    model,
+                    text[None],
+                    geometry=geometry,
+                    schedule=plan.schedule,
+                    seed=plan.seed,
+                    device=device,
+                    dtype=dtype,
+                    on_pass=on_pass,
+                    progress=progress,
+                    caches=caches,
+                )[0]
+            finally:
+                model.set_capture(None)
+            provenance["shape"] = list(latents.shape)
+            if reference is not None:
+                reference_latents, theirs = load_latents(reference)
+                _check_reference(reference, latents, provenance, theirs)
+                table = deviation_csv(
+                    latents,
+                    reference_latents,
+                    checkpoint=checkpoint_name,
+                    prompt=prompt_name,
+                    policy=policy,
+                    frames_per_block=geometry.frames_per_block,
+                )
+                write_text_atomically(deviation_path, table)
+            save_latents(latents_path, latents, provenance)
+    log.info("closed loop done: %s", latents_path)

@@ -1,0 +1,551 @@
+"""The closed-loop summary and figures (Contract 6 deviation tables beside Contract 5 recall
+tables): every summary column against plain loops over synthetic tables, the refusals, the file
+names, and the plotted numbers read back from the figures."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import runpy
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from sinkscope.analysis import closed_loop, figures, plots, policies
+
+from .workflowtools import REPO, Named
+
+FRAMES = 12  # latent frames of a closed-loop rollout
+BLOCK = 2  # latent frames per block
+TRAIN_FRAMES = 6  # the training length: frames 6..11 lie beyond it
+RUNS = [("demo", "cat"), ("demo", "sea")]
+# (policy, budget, sink_frames, recent_frames) of the closed loop
+LOOP_POLICIES = [
+    ("window", 4, 0, 0),
+    ("sink_window", 4, 1, 0),
+    ("sink_window", 6, 0, 0),  # S = 0: the offline window's recall
+    ("deep_sink", 4, 1, 0),  # the offline sink_window's recall
+    ("top_c", 4, 0, 1),  # no offline top_c rows in the run `sea`
+    ("window", 5, 0, 0),  # a budget the recall table lacks
+    ("window", 12, 0, 0),  # covers the whole rollout: never evicts
+]
+# the offline recall tables: 4 query blocks of 2 frames (the last sees 8), these budgets
+OFFLINE_BLOCKS = 4
+OFFLINE_BUDGETS = [2, 4, 6]
+OFFLINE_SINKS = [0, 1]
+RECENT = 1
+
+
+def deviation_table(checkpoint, prompt, policy, budget, sink, recent, seed) -> pd.DataFrame:
+    """A deviation table as the closed-loop job writes it: zeros while the cache holds every
+    frame, then random deviations spanning about two decades."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for frame in range(FRAMES):
+        block = frame // BLOCK
+        full = (block + 1) * BLOCK <= budget  # every frame its block sees is kept
+        rel_l2 = 0.0 if full else float(10 ** rng.uniform(-3, -1))
+        cosine = 1.0 if full else float(rng.uniform(0.9, 1.0))
+        rows.append(
+            (checkpoint, prompt, policy, budget, sink, recent, frame, block, rel_l2, cosine)
+        )
+    return pd.DataFrame(rows, columns=closed_loop.DEVIATION_COLUMNS)
+
+
+def recall_table(checkpoint, prompt, *, top_c: bool, seed: int) -> pd.DataFrame:
+    """A recall table (Contract 5 columns) with random recalls; sink_window S = 0 rows differ
+    from the window rows, so that a summary reading the wrong ones is caught."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for layer in range(2):
+        for head in range(2):
+            for step, (timestep, kind) in enumerate([(1000.0, "denoise"), (0.0, "cache")]):
+                for block in range(OFFLINE_BLOCKS):
+                    visible = BLOCK * (block + 1)
+                    common = (checkpoint, prompt, layer, head, step, timestep, kind, block, visible)
+                    choices = [("window", b, 0, pd.NA) for b in OFFLINE_BUDGETS]
+                    choices += [
+                        ("sink_window", b, s, pd.NA)
+                        for b in OFFLINE_BUDGETS
+                        for s in OFFLINE_SINKS
+                        if s < b
+                    ]
+                    if top_c and block > 0:
+                        choices += [
+                            (policy, b, pd.NA, RECENT)
+                            for policy in ("top_c", "top_c_oracle")
+                            for b in OFFLINE_BUDGETS
+                            if b >= BLOCK + RECENT
+                        ]
+                    for policy, budget, sink, recent in choices:
+                        recall = 1.0 if budget >= visible else float(rng.uniform())
+                        rows.append((*common, policy, budget, sink, recent, recall))
+    table = pd.DataFrame(rows, columns=policies.COLUMNS)
+    for column in ("sink_frames", "recent_frames"):
+        table[column] = table[column].astype("Int64")
+    return table
+
+
+def write_inputs(folder: Path) -> tuple[list[Path], list[Path]]:
+    """Deviation and recall tables of RUNS, written where the workflow puts them."""
+    deviation, recall = [], []
+    for r, (checkpoint, prompt) in enumerate(RUNS):
+        for p, (policy, budget, sink, recent) in enumerate(LOOP_POLICIES):
+            table = deviation_table(checkpoint, prompt, policy, budget, sink, recent, 10 * r + p)
+            path = folder / "closed_loop" / checkpoint / prompt / f"{policy}_{budget}_{sink}.csv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            table.to_csv(path, index=False)
+            deviation.append(path)
+        path = folder / "policies" / checkpoint / f"{prompt}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        recall_table(checkpoint, prompt, top_c=prompt == "cat", seed=100 + r).to_csv(
+            path, index=False
+        )
+        recall.append(path)
+    return deviation, recall
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent) -> list[float]:
+    """The recalls of the offline rows of one policy where it drops keys, by a plain loop."""
+    recalls = []
+    for row in recall.itertuples(index=False):
+        if (row.checkpoint, row.prompt, row.policy, row.budget) != (
+            checkpoint,
+            prompt,
+            offline,
+            budget,
+        ):
+            continue
+        if row.visible_frames <= budget:
+            continue
+        if offline == "sink_window" and row.sink_frames != sink:
+            continue
+        if offline == "top_c" and row.recent_frames != recent:
+            continue
+        recalls.append(row.recall)
+    return recalls
+
+
+def expected_summary_row(deviation: pd.DataFrame, recall: pd.DataFrame, key) -> dict:
+    """One summary row by plain loops over the tables (the module docstring's definitions)."""
+    checkpoint, prompt, policy, budget, sink, recent = key
+    frames = {}
+    for row in deviation.itertuples(index=False):
+        if (row.checkpoint, row.prompt, row.policy, row.budget, row.sink_frames) == key[:5]:
+            if row.recent_frames == recent:
+                frames[row.frame] = (row.block, row.rel_l2, row.cosine)
+    evicting = None
+    for block in sorted({b for b, _, _ in frames.values()}):
+        members = [f for f, (b, _, _) in frames.items() if b == block]
+        if max(members) + 1 > budget:
+            evicting = min(members)
+            break
+    after = [f for f in frames if evicting is not None and f >= evicting]
+    beyond = [frames[f][1] for f in frames if f >= TRAIN_FRAMES]
+    offline = {"deep_sink": "sink_window"}.get(policy, policy)
+    if offline == "sink_window" and sink == 0:
+        offline = "window"
+    recalls = offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent)
+    return {
+        "frames": len(frames),
+        "evicting_from": evicting,
+        "rel_l2_mean": mean([frames[f][1] for f in after]),
+        "cosine_mean": mean([frames[f][2] for f in after]),
+        "rel_l2_last": frames[max(frames)][1],
+        "rel_l2_beyond_training": mean(beyond),
+        "offline_policy": offline,
+        "recall": mean(recalls),
+        "recall_rows": len(recalls),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# the summary
+
+
+def test_summary_matches_plain_loops(tmp_path):
+    deviation_paths, recall_paths = write_inputs(tmp_path)
+    out = tmp_path / "summary.csv"
+    returned = closed_loop.write_closed_loop_summary(
+        deviation_paths, recall_paths, out, TRAIN_FRAMES
+    )
+    written = pd.read_csv(out, keep_default_na=False, na_values=[""])
+    assert list(written.columns) == closed_loop.SUMMARY_COLUMNS
+    assert len(written) == len(RUNS) * len(LOOP_POLICIES)
+    pd.testing.assert_frame_equal(
+        closed_loop.read_closed_loop_summary(out), returned, check_dtype=False
+    )
+    deviation = pd.concat([pd.read_csv(p) for p in deviation_paths])
+    recall = pd.concat(
+        [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in recall_paths]
+    )
+    recall["sink_frames"] = recall["sink_frames"].fillna(-1)
+    recall["recent_frames"] = recall["recent_frames"].fillna(-1)
+    seen = set()
+    for row in written.to_dict("records"):
+        key = tuple(row[c] for c in closed_loop.RUN_KEYS)
+        seen.add(key)
+        expected = expected_summary_row(deviation, recall, key)
+        for column, value in expected.items():
+            got = row[column]
+            if value is None:
+                assert pd.isna(got), (key, column)
+            elif isinstance(value, str):
+                assert got == value, (key, column)
+            elif math.isnan(value):
+                assert math.isnan(got), (key, column)
+            else:
+                assert got == pytest.approx(value, rel=1e-12, abs=0), (key, column)
+    assert seen == {(c, p, *policy) for c, p in RUNS for policy in LOOP_POLICIES}
+    # the cases the fixture is built for, spelled out
+    by_key = {
+        (r["prompt"], r["policy"], r["budget"], r["sink_frames"]): r
+        for r in written.to_dict("records")
+    }
+    assert by_key[("cat", "window", 4, 0)]["evicting_from"] == 4  # block 2 ends at 6 > 4
+    assert by_key[("cat", "window", 5, 0)]["evicting_from"] == 4  # block 2 ends at 6 > 5
+    assert by_key[("cat", "sink_window", 6, 0)]["evicting_from"] == 6
+    assert pd.isna(by_key[("cat", "window", 12, 0)]["evicting_from"])  # never evicts
+    assert math.isnan(by_key[("cat", "window", 12, 0)]["rel_l2_mean"])
+    assert by_key[("cat", "window", 5, 0)]["recall_rows"] == 0
+    assert math.isnan(by_key[("cat", "window", 5, 0)]["recall"])
+    sea_top_c = by_key[("sea", "top_c", 4, 0)]
+    assert sea_top_c["recall_rows"] == 0 and math.isnan(sea_top_c["recall"])
+    cat_top_c = by_key[("cat", "top_c", 4, 0)]
+    assert cat_top_c["recall_rows"] == 2 * 2 * 2 * 2  # layers x heads x steps x blocks 2, 3
+    deep, sink = by_key[("cat", "deep_sink", 4, 1)], by_key[("cat", "sink_window", 4, 1)]
+    assert deep["offline_policy"] == "sink_window"
+    assert (deep["recall"], deep["recall_rows"]) == (sink["recall"], sink["recall_rows"])
+    s0 = by_key[("cat", "sink_window", 6, 0)]
+    window6 = offline_recalls(recall, "demo", "cat", "window", 6, 0, 0)
+    sink0 = offline_recalls(recall, "demo", "cat", "sink_window", 6, 0, 0)
+    assert s0["offline_policy"] == "window" and s0["recall"] == pytest.approx(mean(window6))
+    assert s0["recall_rows"] == len(window6) == 2 * 2 * 2 * 1  # the last block sees 8 > 6
+    assert mean(sink0) != pytest.approx(mean(window6))  # the fixture tells them apart
+    # the order: per run, window, sink_window, deep_sink, top_c, then by budget
+    cat = written[written["prompt"] == "cat"]
+    assert list(zip(cat["policy"], cat["budget"], strict=True)) == [
+        ("window", 4),
+        ("window", 5),
+        ("window", 12),
+        ("sink_window", 4),
+        ("sink_window", 6),
+        ("deep_sink", 4),
+        ("top_c", 4),
+    ]
+
+
+def test_summary_without_recall_tables(tmp_path):
+    deviation_paths, _ = write_inputs(tmp_path)
+    summary = closed_loop.write_closed_loop_summary(
+        deviation_paths[:2], [], tmp_path / "s.csv", TRAIN_FRAMES
+    )
+    assert (summary["recall_rows"] == 0).all() and summary["recall"].isna().all()
+    with pytest.raises(ValueError, match="train_frames"):
+        closed_loop.closed_loop_summary(
+            closed_loop.read_deviation(deviation_paths), pd.DataFrame(), 0
+        )
+
+
+def test_beyond_training_is_nan_without_such_frames(tmp_path):
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=1)
+    summary = closed_loop.closed_loop_summary(table, pd.DataFrame(), FRAMES)
+    assert math.isnan(summary["rel_l2_beyond_training"].iloc[0])
+    summary = closed_loop.closed_loop_summary(table, pd.DataFrame(), FRAMES - 1)
+    assert summary["rel_l2_beyond_training"].iloc[0] == table["rel_l2"].iloc[-1]
+
+
+def test_read_deviation_refusals_name_the_file(tmp_path):
+    good = tmp_path / "good.csv"
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=0)
+    table.to_csv(good, index=False)
+    read = closed_loop.read_deviation([good])
+    pd.testing.assert_frame_equal(read, table, check_dtype=False)
+    assert read["prompt"].map(type).eq(str).all()
+    bad = tmp_path / "no_cosine.csv"
+    table.drop(columns="cosine").to_csv(bad, index=False)
+    with pytest.raises(ValueError, match=r"no_cosine\.csv.*'cosine'"):
+        closed_loop.read_deviation([good, bad])
+    unknown = tmp_path / "unknown.csv"
+    table.assign(policy="full").to_csv(unknown, index=False)
+    with pytest.raises(ValueError, match=r"unknown\.csv.*'full'"):
+        closed_loop.read_deviation([unknown])
+    fractional = tmp_path / "fractional.csv"
+    table.assign(budget=4.5).to_csv(fractional, index=False)
+    with pytest.raises(ValueError, match=r"fractional\.csv.*budget"):
+        closed_loop.read_deviation([fractional])
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.csv"):
+        closed_loop.read_deviation([empty])
+    twice = tmp_path / "twice.csv"
+    table.to_csv(twice, index=False)
+    with pytest.raises(
+        ValueError, match=r"good\.csv, .*twice\.csv: frame 0 of demo/cat window B=4"
+    ):
+        closed_loop.read_deviation([good, twice])
+
+
+def test_offline_policy_mapping():
+    assert closed_loop.offline_policy("deep_sink", 3) == "sink_window"
+    assert closed_loop.offline_policy("deep_sink", 0) == "window"
+    assert closed_loop.offline_policy("sink_window", 0) == "window"
+    assert closed_loop.offline_policy("top_c", 0) == "top_c"
+    assert set(closed_loop.OFFLINE_POLICY.values()) <= set(policies.POLICIES)
+    with pytest.raises(ValueError, match="full"):
+        closed_loop.offline_policy("full")
+
+
+# --------------------------------------------------------------------------------------------
+# the registry
+
+
+def test_closed_loop_file_names_round_trip():
+    files = figures.closed_loop_figures("results/figures/closed_loop", "svg")
+    assert [f.path for f in files] == [
+        "results/figures/closed_loop/closed_loop_deviation.svg",
+        "results/figures/closed_loop/closed_loop_recall_deviation.svg",
+    ]
+    assert [f.kind.caption for f in files] == [
+        "closed_loop_deviation.rst",
+        "closed_loop_recall.rst",
+    ]
+    for f in files:
+        assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
+        assert f.kind.scope == "closed_loop" and f.layers == ()
+        assert f.labels == {"figure": f.kind.stem.replace("_", " "), "layer": "all"}
+        assert (REPO / "report" / f.kind.caption).is_file()
+        builder = getattr(plots, f.kind.builder)
+        assert next(iter(inspect.signature(builder).parameters)) == "table"
+    others = [
+        *figures.run_figures("o", [0, 1], [0], "svg"),
+        *figures.compare_figures("o", [0], [0], "svg"),
+        *figures.survey_figures("o", [0, 1], "svg"),
+        *figures.survey_compare_figures("o", [0, 1], "svg"),
+        *figures.policy_figures("o", [0, 1], "svg"),
+    ]
+    assert not [f for f in others if f.kind.scope == "closed_loop"]
+    with pytest.raises(ValueError, match="whole model"):
+        figures.FigureKind("x", "plot_x", "x.rst", "closed_loop", "captured")
+    with pytest.raises(ValueError, match="whole model"):
+        figures.FigureKind("x", "plot_x", "x.rst", "run", "model")
+    with pytest.raises(ValueError, match="closed_loop_"):
+        figures.FigureKind("closed_loop_x", "plot_x", "x.rst", "closed_loop", "model")
+    with pytest.raises(ValueError, match="closed_loop_deviation"):
+        figures.parse_figure_path("results/figures/closed_loop/deviation.svg")
+
+
+# --------------------------------------------------------------------------------------------
+# the figures
+
+
+def data_lines(ax) -> dict[str, object]:
+    return {
+        line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")
+    }
+
+
+def test_deviation_figure_draws_the_tables(tmp_path):
+    deviation_paths, _ = write_inputs(tmp_path)
+    table = closed_loop.read_deviation(deviation_paths)
+    fig = plots.plot_closed_loop_deviation(table, train_frames=TRAIN_FRAMES)
+    assert isinstance(fig, Figure)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert sorted(panels) == ["demo · cat", "demo · sea"]
+    labels = {
+        "window": "window B={}",
+        "sink_window": "sink_window B={} S={}",
+        "deep_sink": "deep_sink B={} S={}",
+        "top_c": "top_c B={} R={}",
+    }
+    for checkpoint, prompt in RUNS:
+        ax = panels[f"{checkpoint} · {prompt}"]
+        lines = data_lines(ax)
+        assert len(lines) == len(LOOP_POLICIES)
+        assert ax.get_yscale() == "log"  # the deviations span two decades
+        for policy, budget, sink, recent in LOOP_POLICIES:
+            extra = recent if policy == "top_c" else sink
+            line = lines[labels[policy].format(budget, extra)]
+            rows = table[
+                (table["prompt"] == prompt)
+                & (table["policy"] == policy)
+                & (table["budget"] == budget)
+                & (table["sink_frames"] == sink)
+            ].sort_values("frame")
+            np.testing.assert_array_equal(line.get_xdata(), rows["frame"].to_numpy(float))
+            values = rows["rel_l2"].to_numpy(float)
+            # zeros cannot sit on a log axis: left out (NaN), the rest exactly the table's
+            np.testing.assert_array_equal(line.get_ydata(), np.where(values > 0, values, np.nan))
+        verticals = {
+            line.get_label(): line.get_xdata()[0]
+            for line in ax.get_lines()
+            if line.get_label().startswith("_")
+        }
+        assert verticals == {
+            "_first eviction, B = 4": 4,
+            "_first eviction, B = 5": 4,
+            "_first eviction, B = 6": 6,
+            "_training length": TRAIN_FRAMES,
+        }
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "training length (6 frames)" in texts
+    assert "first eviction (frames 4, 4, 6 for B = 4, 5, 6)" in texts
+    assert "frames equal to the reference (0) are not drawn" in fig.get_suptitle()
+    assert "latent deviation from the full-cache rollout" in fig.get_suptitle()
+
+
+def test_deviation_figure_of_one_run_and_policy_is_linear_when_narrow():
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
+    table["rel_l2"] = np.where(table["rel_l2"] > 0, 0.2 + 0.01 * table["frame"], 0.0)
+    fig = plots.plot_closed_loop_deviation(table)
+    (ax,) = fig.axes
+    assert ax.get_yscale() == "linear"
+    (line,) = data_lines(ax).values()
+    np.testing.assert_array_equal(line.get_ydata(), table["rel_l2"].to_numpy(float))
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "window B=4",
+        "first eviction (frame 4, B = 4)",
+    ]
+
+
+def test_recall_figure_draws_the_summary(tmp_path):
+    deviation_paths, recall_paths = write_inputs(tmp_path)
+    summary = closed_loop.write_closed_loop_summary(
+        deviation_paths, recall_paths, tmp_path / "s.csv", TRAIN_FRAMES
+    )
+    fig = plots.plot_closed_loop_recall(summary)
+    (ax,) = fig.axes
+    lines = data_lines(ax)
+    drawn = summary[summary["recall"].notna() & summary["rel_l2_mean"].notna()]
+    assert len(drawn) < len(summary)  # the fixture has rows that cannot be drawn
+    points = set()
+    for label, line in lines.items():
+        assert line.get_linestyle() == "None"
+        points |= {(label, float(x), float(y)) for x, y in zip(*line.get_data(), strict=True)}
+    expected = {
+        (
+            closed_loop.policy_label(r.policy, r.budget, r.sink_frames, r.recent_frames),
+            float(r.recall),
+            float(r.rel_l2_mean),
+        )
+        for r in drawn.itertuples()
+    }
+    assert points == expected
+    assert ax.get_xlim() == (-0.02, 1.02)
+    names = sorted(t.get_text() for t in ax.texts)
+    assert names == sorted(drawn["prompt"])  # one checkpoint: each point named by its prompt
+    note = fig.get_supxlabel().replace("\N{NO-BREAK SPACE}", " ").replace("\n", " ")
+    assert "no offline recall: window B=5 (every run)" in note
+    assert "top_c B=4 R=1 (sea)" in note
+    assert "never evicts: window B=12 (every run)" in note
+
+
+def test_recall_figure_with_nothing_to_draw():
+    summary = closed_loop.closed_loop_summary(
+        deviation_table("demo", "cat", "top_c", 4, 0, 1, seed=2), pd.DataFrame(), TRAIN_FRAMES
+    )
+    fig = plots.plot_closed_loop_recall(summary)
+    (ax,) = fig.axes
+    assert not data_lines(ax)
+    assert "Not drawn, no offline recall: top_c B=4 R=1." in fig.get_supxlabel()
+    assert "demo · cat" in fig.get_suptitle()
+
+
+# --------------------------------------------------------------------------------------------
+# files
+
+
+def svg_texts(path: Path) -> list[str]:
+    return ["".join(e.itertext()) for e in ET.parse(path).iter() if e.tag.endswith("text")]
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_render_closed_loop_figures(tmp_path, fmt):
+    deviation_paths, recall_paths = write_inputs(tmp_path)
+    summary = tmp_path / "summary.csv"
+    closed_loop.write_closed_loop_summary(deviation_paths, recall_paths, summary, TRAIN_FRAMES)
+    written = {}
+    for run in ("a", "b"):
+        outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
+        paths = plots.render_figures(
+            [],
+            outputs,
+            heads=[],
+            deviation_tables=deviation_paths,
+            closed_loop_summary=summary,
+            train_frames=TRAIN_FRAMES,
+        )
+        assert [str(p) for p in paths] == outputs
+        written[run] = [Path(p).read_bytes() for p in outputs]
+        assert all(len(data) > 1000 for data in written[run])
+    assert written["a"] == written["b"]
+    if fmt == "svg":
+        texts = svg_texts(tmp_path / "a" / "closed_loop_deviation.svg")
+        assert any("latent deviation from the full-cache rollout" in t for t in texts)
+        assert "deep_sink B=4 S=1" in texts
+    else:
+        assert written["a"][0].startswith(b"\x89PNG")
+
+
+def test_bad_closed_loop_renders_fail_before_writing(tmp_path):
+    deviation_paths, recall_paths = write_inputs(tmp_path)
+    summary = tmp_path / "summary.csv"
+    closed_loop.write_closed_loop_summary(deviation_paths, recall_paths, summary, TRAIN_FRAMES)
+    out = tmp_path / "figures"
+    outputs = [f.path for f in figures.closed_loop_figures(str(out), "svg")]
+    broken = tmp_path / "broken.csv"
+    pd.read_csv(deviation_paths[0]).drop(columns="rel_l2").to_csv(broken, index=False)
+    requests = [
+        ({"closed_loop_summary": summary}, "deviation tables"),
+        ({"deviation_tables": deviation_paths}, "closed-loop summary"),
+        ({"deviation_tables": [broken], "closed_loop_summary": summary}, r"broken\.csv"),
+        ({"deviation_tables": deviation_paths, "closed_loop_summary": deviation_paths[0]}, "lacks"),
+        (
+            {
+                "deviation_tables": deviation_paths,
+                "closed_loop_summary": summary,
+                "train_frames": 0,
+            },
+            "train_frames",
+        ),
+    ]
+    for options, message in requests:
+        with pytest.raises(ValueError, match=message):
+            plots.render_figures([], outputs, heads=[], **options)
+    assert not out.exists(), "a failed request must not leave figures behind"
+
+
+def test_closed_loop_summary_script(tmp_path):
+    """scripts/closed_loop_summary.py as the rule runs it: inputs deviation= and policies=,
+    outputs summary= and the figures, params train_frames= and figures=."""
+    deviation_paths, recall_paths = write_inputs(tmp_path)
+    out = tmp_path / "results"
+    summary = str(out / "closed_loop" / "summary.csv")
+    figure_files = [f.path for f in figures.closed_loop_figures(str(out / "figures"), "svg")]
+    snakemake = SimpleNamespace(
+        input=Named(
+            deviation=[str(p) for p in deviation_paths], policies=[str(p) for p in recall_paths]
+        ),
+        output=Named(summary=[summary], figures=figure_files),
+        log=Named([str(tmp_path / "summary.log")]),
+        params=Named(train_frames=TRAIN_FRAMES, figures={"format": "svg"}),
+    )
+    snakemake.output.summary = summary  # Snakemake names a single file by its path
+    runpy.run_path(
+        str(REPO / "scripts" / "closed_loop_summary.py"), init_globals={"snakemake": snakemake}
+    )
+    table = closed_loop.read_closed_loop_summary(summary)
+    assert len(table) == len(RUNS) * len(LOOP_POLICIES)
+    assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
+        Path(p).name for p in figure_files
+    )
+    assert any("training length (6 frames)" in t for t in svg_texts(Path(figure_files[0])))
