@@ -134,7 +134,7 @@ def _with_checkpoint(base):
 
     def change(config):
         config["checkpoints"].update(sf={"base": base})
-        config["capture"].update(survey=[0, 1])
+        config["capture"].update(survey=[0, 2])
 
     return change
 

@@ -77,7 +77,7 @@ def test_schema_refuses(change, message):
         (lambda c: c.update(layers=[0, 7]), "layers: [7] out of range for checkpoint 'demo_a'"),
         (
             lambda c: (c["capture"].update(survey=[2]), c["figures"].update(heads=[[1, 0]])),
-            "figures.heads: layer 1 is not captured; add it to layers [0, 2] or to capture.survey",
+            "figures.heads: layer 1 is not captured; add it to layers [0] or to capture.survey",
         ),
         (lambda c: c["figures"].update(heads=[[0, 4]]), "figures.heads: head 4 out of range"),
         (lambda c: c["sampler"].update(local_attn_size=2), "cannot hold"),
@@ -125,7 +125,7 @@ def test_schema_refuses(change, message):
         (
             lambda c: c["capture"].update(keep_tokens=False),
             "capture.keep_tokens: false deletes a token store once it is reduced, but layers "
-            "[0, 2] are also surveyed",
+            "[0] are also surveyed",
         ),
         (
             lambda c: c["policies"].update(budget=7),
@@ -239,10 +239,10 @@ def test_a_new_checkpoint_key_changes_params_and_reaches_the_loader(monkeypatch,
 
 
 def test_survey_layers_token_layers_and_frame_layers():
-    config = checked()  # the demo: survey all 4 layers, token stores for 0 and 2
-    assert survey_layers(config) == [0, 1, 2, 3] and token_layers(config) == [0, 2]
+    config = checked()  # the demo: survey all 4 layers, a token store for layer 0
+    assert survey_layers(config) == [0, 1, 2, 3] and token_layers(config) == [0]
     assert frame_layers(config) == [0, 1, 2, 3]
-    only_tokens = checked(lambda c: c["capture"].update(survey="none"))
+    only_tokens = checked(lambda c: (c.update(layers=[2, 0]), c["capture"].update(survey="none")))
     assert survey_layers(only_tokens) == [] and frame_layers(only_tokens) == [0, 2]
     survey_only = checked(lambda c: (c.update(layers=[]), c["capture"].update(survey=[3, 2, 0])))
     assert frame_layers(survey_only) == [0, 2, 3] and token_layers(survey_only) == []
@@ -260,7 +260,7 @@ def test_survey_all_needs_checkpoints_of_one_depth(monkeypatch):
     monkeypatch.setattr(entries, "model_config", deeper_b)
     with pytest.raises(ConfigError, match=r"capture\.survey: all needs checkpoints with the same"):
         checked()
-    assert survey_layers(checked(lambda c: c["capture"].update(survey=[0, 3]))) == [0, 3]
+    assert survey_layers(checked(lambda c: c["capture"].update(survey=[3, 0, 2]))) == [0, 2, 3]
 
 
 def test_survey_params_do_not_depend_on_capture_tokens(tmp_path):

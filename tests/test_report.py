@@ -32,8 +32,10 @@ pytestmark = pytest.mark.workflow
 CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 FORMAT = CONFIG["figures"]["format"]
 LAYERS = sorted(CONFIG["layers"])
-RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
 HEAD_LAYERS = sorted({layer for layer, _ in CONFIG["figures"]["heads"]})
+# Per-layer figures: the token layers and those of figures.heads.
+FIGURE_LAYERS = sorted({*LAYERS, *HEAD_LAYERS})
+RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
 SURVEY_LAYERS = survey_layers(checked())  # `all`: every layer of the demo model
 
 
@@ -44,7 +46,7 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
     for checkpoint, prompt in RUNS:
         folder = f"results/figures/{checkpoint}/{prompt}"
         run = [
-            *figures.run_figures(folder, LAYERS, HEAD_LAYERS, FORMAT),
+            *figures.run_figures(folder, FIGURE_LAYERS, HEAD_LAYERS, FORMAT),
             *figures.policy_figures(folder, sorted({*LAYERS, *SURVEY_LAYERS}), FORMAT),
             *figures.survey_figures(folder, SURVEY_LAYERS, FORMAT),
         ]
@@ -133,9 +135,10 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     results = embedded(page, "results")
     categories = embedded(page, "categories")
     expected = expected_figures()
-    # figure4, 3 per token layer, layer_comparison, statistics, 3 policy and 4 survey figures per
-    # run; 3 across runs and the survey's sink rates of every run.
-    assert len(expected) == len(RUNS) * (1 + 3 * len(LAYERS) + 2 + 3 + 4) + 3 + 1 == 68
+    # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 4 survey
+    # figures per run; 3 across runs, the survey's sink rates of every run and 2 of the closed loop.
+    per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 2 == 70
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():

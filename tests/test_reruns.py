@@ -139,5 +139,5 @@ def test_a_remade_demo_checkpoint_reruns_its_extractions(demo_run, tmp_path):
         f"checkpoint={c}, prompt={p}, layer={layer}"
         for c in ("demo_a", "demo_b")
         for p in ("eagle", "harbor")
-        for layer in (0, 2)
+        for layer in (0,)
     }

@@ -13,8 +13,14 @@ import xarray as xr
 import yaml
 from snakemake.utils import validate
 
+from sinkscope.extraction.closed_loop import load_latents
 from sinkscope.workflow.entries import checkpoint_inputs
-from sinkscope.workflow.resources import extract_mem_mb, extract_runtime, survey_runtime
+from sinkscope.workflow.resources import (
+    closed_loop_runtime,
+    extract_mem_mb,
+    extract_runtime,
+    survey_runtime,
+)
 
 from .slurmcluster import one_node_cluster, skip_unless_slurm
 from .workflowtools import copy_workflow, snakemake
@@ -24,10 +30,10 @@ pytestmark = pytest.mark.workflow
 
 # The demo surveys every layer, so its frame datasets come from the survey (reduce_attention
 # runs locally) and rule reduce has nothing to do.
-SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies"}
-RUNS = [
-    (c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0, 2)
-]
+CLOSED_LOOP_RULES = {"closed_loop_reference", "closed_loop", "closed_loop_top_c"}
+SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies", *CLOSED_LOOP_RULES}
+RUNS = [(c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0,)]
+CLOSED_LOOP_POLICIES = ("full", "window", "sink_window", "deep_sink", "top_c")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,9 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     assert set(rules) == SBATCH_RULES  # stats, figures, summary... ran locally
     assert len(rules["extract"]) == len(RUNS) and len(rules["encode_prompt"]) == 2
     assert len(rules["survey"]) == 4  # one per checkpoint and prompt, every layer at once
-    for record in rules["extract"] + rules["encode_prompt"] + rules["survey"]:
+    loop = [record for rule in sorted(CLOSED_LOOP_RULES) for record in rules[rule]]
+    assert len(loop) == len(CLOSED_LOOP_POLICIES)  # demo_a / eagle: the full cache, 4 policies
+    for record in rules["extract"] + rules["encode_prompt"] + rules["survey"] + loop:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record
     # Memory and time as the rule computed them from the sizes (sinkscope.workflow.resources),
@@ -99,6 +107,9 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
         input_mb = sum((workdir / path).stat().st_size for path in inputs) / 1e6
         assert record["MinMemoryNode"] == f"{extract_mem_mb(input_mb)}M"
         assert record["TimeLimit"] == f"00:{survey_runtime(config, checkpoint):02d}:00"
+    minutes = closed_loop_runtime(config, "demo_a")
+    for record in loop:
+        assert record["TimeLimit"] == f"{minutes // 60:02d}:{minutes % 60:02d}:00", record
     # Each store was written by a SLURM job, on the GPU its allocation made visible.
     extract_jobs = {record["JobId"] for record in rules["extract"]}
     survey_jobs = {record["JobId"] for record in rules["survey"]}
@@ -112,6 +123,10 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
             workdir / f"results/attention/{checkpoint}/{prompt}/layer{layer}.zarr"
         )
         assert survey.attrs["gpu"]["slurm_job_id"] in survey_jobs
+    loop_jobs = {record["JobId"] for record in loop}
+    for policy in CLOSED_LOOP_POLICIES:
+        _, meta = load_latents(workdir / f"results/closed_loop/demo_a/eagle/{policy}.safetensors")
+        assert meta["gpu"]["claimed_by"] == "slurm" and meta["gpu"]["slurm_job_id"] in loop_jobs
 
 
 def test_slurm_results_equal_a_local_run(slurm_run, demo_run):
@@ -131,3 +146,6 @@ def test_slurm_results_equal_a_local_run(slurm_run, demo_run):
         pd.read_csv(demo_run / "results/stats/summary.csv"),
     )
     assert (workdir / "results/figures/compare/checkpoints.svg").exists()
+    for policy in CLOSED_LOOP_POLICIES:
+        name = f"results/closed_loop/demo_a/eagle/{policy}.safetensors"
+        assert load_latents(workdir / name)[0].equal(load_latents(demo_run / name)[0]), policy

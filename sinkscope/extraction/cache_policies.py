@@ -25,7 +25,7 @@ import torch
 from sinkscope.wan.model import KVCache
 from sinkscope.wan.rope import rotate_frames
 
-from .capture import softmax_reductions
+from .capture import CPU_SOFTMAX_ROWS, softmax_reductions
 
 POLICY_NAMES = ("full", "window", "sink_window", "deep_sink", "top_c")
 # Policies whose caches hold whole frames: attention inside their rollouts can be captured.
@@ -256,9 +256,10 @@ class TopCKVCache:
         keys = torch.cat(
             [self.history_k, self.window_k[:, : self.global_end - self.window_start]], dim=1
         )
+        rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None  # as the survey's capture
         self.score = torch.stack(
             [
-                softmax_reductions(q[0, :, head], keys[0, :, head], self.scale)[0]
+                softmax_reductions(q[0, :, head], keys[0, :, head], self.scale, rows)[0]
                 for head in range(self.num_heads)
             ]
         )

@@ -210,7 +210,8 @@ class AttentionBlock(nn.Module):
             nn.GELU(approximate="tanh"),
             nn.Linear(cfg.ffn_dim, cfg.dim),
         )
-        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
+        # In place: out of place, the op on the loader's meta device imports torch._dynamo (0.7 s).
+        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim).mul_(cfg.dim**-0.5))
 
     def forward(
         self, x: torch.Tensor, e0: torch.Tensor, context: torch.Tensor, ctx: AttentionContext
@@ -238,7 +239,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.head = nn.Linear(cfg.dim, math.prod(cfg.patch_size) * cfg.out_dim)
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).mul_(cfg.dim**-0.5))
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         frames = e.shape[1]
