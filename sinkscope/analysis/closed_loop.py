@@ -43,21 +43,10 @@ import pandas as pd
 
 from sinkscope.analysis.policies import read_policies
 from sinkscope.storage import write_text_atomically
+from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS
 
-DEVIATION_COLUMNS = [
-    "checkpoint",
-    "prompt",
-    "policy",
-    "budget",
-    "sink_frames",
-    "recent_frames",
-    "frame",
-    "block",
-    "rel_l2",
-    "cosine",
-]
 # A closed-loop rollout: the rows of one deviation table, and of one summary row.
-RUN_KEYS = ["checkpoint", "prompt", "policy", "budget", "sink_frames", "recent_frames"]
+RUN_KEYS = CLOSED_LOOP_RUN_KEYS
 # closed-loop policy -> the offline policy (Contract 5) that keeps the same keys
 OFFLINE_POLICY = {
     "window": "window",
@@ -81,16 +70,7 @@ _TEXT = ["checkpoint", "prompt", "policy"]
 _INTEGERS = ["budget", "sink_frames", "recent_frames", "frame", "block"]
 _FLOATS = ["rel_l2", "cosine"]
 # What the recall tables must hold for the summary.
-_RECALL_COLUMNS = [
-    "checkpoint",
-    "prompt",
-    "policy",
-    "budget",
-    "sink_frames",
-    "recent_frames",
-    "visible_frames",
-    "recall",
-]
+_RECALL_COLUMNS = [*RUN_KEYS, "visible_frames", "recall"]
 
 
 def read_deviation(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> pd.DataFrame:

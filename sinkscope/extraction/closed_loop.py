@@ -18,37 +18,22 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sinkscope import __version__
 from sinkscope.frames import block_sizes
 from sinkscope.storage import atomic_path, write_text_atomically
-from sinkscope.wan.text import load_prompt_embedding
-from sinkscope.workflow.gpus import job_device
+from sinkscope.tables import DEVIATION_COLUMNS
 
 from .cache_policies import FRAME_POLICIES, CachePolicy, TopCKVCache
 from .capture import LogitCapture
-from .job import RolloutPlan, load_checkpoint, model_dtype, plan_stores, prompt_token_attrs
+from .job import RolloutPlan, loaded_job, plan_stores
 from .sampling import rollout
 
 LATENTS_KEY = "x0"
-DEVIATION_COLUMNS = [
-    "checkpoint",
-    "prompt",
-    "policy",
-    "budget",
-    "sink_frames",
-    "recent_frames",
-    "frame",
-    "block",
-    "rel_l2",
-    "cosine",
-]
 # What must match between a policy's rollout and its reference for the comparison to mean anything.
 _SAME_ROLLOUT = ("checkpoint_sha256", "prompt", "seed", "num_frames", "sampler", "video")
 
@@ -188,30 +173,16 @@ def closed_loop(
         raise ValueError(
             f"{policy.name} keeps tokens, not frames: attention in its rollout cannot be captured"
         )
-    with job_device(settings["device"]) as claim:
-        started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-        device = torch.device(claim.device)
-        dtype = model_dtype(device)
-        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+        model, text, device, dtype = job.model, job.text, job.device, job.dtype
         cfg = model.config
-        text, text_meta = load_prompt_embedding(prompt_embeddings, text_dim=cfg.text_dim)
         frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
         provenance = {
-            "checkpoint": checkpoint_name,
-            "checkpoint_sha256": checkpoint_sha256,
-            "prompt": prompt_name,
-            "prompt_text": text_meta.get("prompt", ""),
-            **prompt_token_attrs(text_meta),
-            "seed": settings["seed"],
+            **job.provenance,
             "num_frames": geometry.num_frames,
             "sampler": settings["sampler"],
             "video": settings["video"],
             "policy": settings["policy"],
-            "sinkscope_version": __version__,
-            "device": str(device),
-            "gpu": claim.record(),
-            "started_at": started_at,
-            "dtype": str(dtype).removeprefix("torch."),
         }
         caches = policy.new_caches(
             model,

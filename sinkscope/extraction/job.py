@@ -11,7 +11,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -95,6 +95,51 @@ def prompt_token_attrs(text_meta: dict[str, str]) -> dict:
         return {}
     total, kept = int(text_meta["prompt_tokens"]), int(text_meta["length"])
     return {"prompt_tokens": total, "prompt_tokens_kept": kept, "prompt_truncated": kept < total}
+
+
+@dataclass
+class LoadedJob:
+    """What every GPU job starts from: its device, the model, the prompt and the provenance its
+    outputs record (checkpoint, prompt, seed, version, the claimed device, start time)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module
+    text: torch.Tensor
+    provenance: dict
+
+
+@contextlib.contextmanager
+def loaded_job(
+    checkpoint_name: str, prompt_name: str, prompt_embeddings: str | Path, settings: dict
+) -> Iterator[LoadedJob]:
+    """Claim the job's device (`workflow.gpus.job_device`, held until the block ends: until the
+    outputs are complete), load the checkpoint onto it and the prompt's embeddings."""
+    with job_device(settings["device"]) as claim:
+        started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        device = torch.device(claim.device)
+        dtype = model_dtype(device)
+        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+        text, text_meta = load_prompt_embedding(prompt_embeddings)
+        if text.shape[1] != model.config.text_dim:
+            raise ValueError(
+                f"{prompt_embeddings}: embeddings have width {text.shape[1]}, "
+                f"but {checkpoint_name} expects text_dim={model.config.text_dim}"
+            )
+        provenance = {
+            "checkpoint": checkpoint_name,
+            "checkpoint_sha256": checkpoint_sha256,
+            "prompt": prompt_name,
+            "prompt_text": text_meta.get("prompt", ""),
+            **prompt_token_attrs(text_meta),
+            "seed": settings["seed"],
+            "sinkscope_version": __version__,
+            "device": str(device),
+            "gpu": claim.record(),
+            "started_at": started_at,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        yield LoadedJob(device, dtype, model, text, provenance)
 
 
 def load_checkpoint(
@@ -273,32 +318,10 @@ def extract(
         raise ValueError(f"{len(layers)} layers but {len(outputs)} outputs")
     plan = RolloutPlan.from_settings(settings)
     # The GPU is held from before the model loads until the stores are complete.
-    with job_device(settings["device"]) as claim:
-        started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
-        device = torch.device(claim.device)
-        dtype = model_dtype(device)
-        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+        model, text, device, dtype = job.model, job.text, job.device, job.dtype
         cfg = model.config
-        text, text_meta = load_prompt_embedding(prompt_embeddings)
-        if text.shape[1] != cfg.text_dim:
-            raise ValueError(
-                f"{prompt_embeddings}: embeddings have width {text.shape[1]}, "
-                f"but {checkpoint_name} expects text_dim={cfg.text_dim}"
-            )
-        provenance = {
-            "checkpoint": checkpoint_name,
-            "checkpoint_sha256": checkpoint_sha256,
-            "prompt": prompt_name,
-            "prompt_text": text_meta.get("prompt", ""),
-            **prompt_token_attrs(text_meta),
-            "seed": settings["seed"],
-            "sinkscope_version": __version__,
-            "device": str(device),
-            "gpu": claim.record(),
-            "started_at": started_at,
-            "dtype": str(dtype).removeprefix("torch."),
-            "config": settings,
-        }
+        provenance = {**job.provenance, "config": settings}
         with contextlib.ExitStack() as stores:
             writers = plan_stores(cfg, plan, layers, outputs, provenance, stores, store)
             capture = LogitCapture(
