@@ -196,8 +196,25 @@ def test_encode_prompt_pth_on_cuda_is_bf16_close(tmp_path):
 def test_clean_prompt_is_wans():
     assert clean_prompt("a &amp;lt;b&amp;gt; &amp;amp; c") == "a <b> & c"
     assert clean_prompt("  a\n\n fox \t runs  ") == "a fox runs"
-    # Unescaped twice, not three times.
-    assert clean_prompt("&amp;amp;lt;") == "&lt;"
+    # ftfy unescapes HTML once when the text has no "<" (its `unescape_html="auto"`), then Wan
+    # twice more: three times in all, as in Wan.
+    assert clean_prompt("&amp;amp;lt;") == "<"
+    assert clean_prompt("<b> &amp;amp;lt;") == "<b> &lt;"
+
+
+@pytest.mark.parametrize(
+    ("raw", "clean"),
+    [
+        ("\u201ccurly\u201d \u2018quotes\u2019", "\"curly\" 'quotes'"),
+        ("\uff21\uff22\uff23\u3000\uff11\uff12\uff13 cat", "ABC 123 cat"),
+        ("caf\u00c3\u00a9 \u00e2\u20ac\u0153quoted\u00e2\u20ac\u009d", 'caf\u00e9 "quoted"'),
+    ],
+    ids=["curly-quotes", "fullwidth", "mojibake"],
+)
+def test_clean_prompt_fixes_text_as_wan_does_with_ftfy(raw, clean):
+    """Wan's basic_clean runs ftfy.fix_text first: the same prompt typed in another editor gives
+    the same tokens."""
+    assert clean_prompt(raw) == clean
 
 
 def _touch(marker: str) -> None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 import html
 import re
 
+import ftfy
+
 
 def clean_prompt(text: str) -> str:
-    """ftfy if installed (as in Wan's tokenizer wrapper), HTML unescaped twice, spaces collapsed."""
-    try:
-        import ftfy
-
-        text = ftfy.fix_text(text)
-    except ImportError:
-        pass
-    text = html.unescape(html.unescape(text))
+    """Wan's `basic_clean` then `whitespace_clean`: ftfy's `fix_text` (curly quotes straightened,
+    fullwidth characters narrowed, mojibake decoded), HTML unescaped twice, spaces collapsed."""
+    text = html.unescape(html.unescape(ftfy.fix_text(text)))
     return re.sub(r"\s+", " ", text).strip()

@@ -1,6 +1,6 @@
 """UMT5 prompt encoding as Wan / Self-Forcing do it, and cached prompt embeddings.
 
-Wan cleans the prompt (ftfy if installed, html unescape twice, whitespace collapse), tokenizes to
+Wan cleans the prompt (ftfy, html unescape twice, whitespace collapse), tokenizes to
 `text_len` tokens with EOS and padding, runs the UMT5 encoder with the padding mask and zeroes the
 padded rows. The result [text_len, d_model] is what the DiT's text embedding receives.
 
