@@ -30,6 +30,7 @@ include: "rules/reduce.smk"
 include: "rules/stats.smk"
 include: "rules/policies.smk"
 include: "rules/figures.smk"
+include: "rules/export.smk"
 include: "rules/closed_loop.smk"
 
 

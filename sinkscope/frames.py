@@ -5,19 +5,47 @@ Everything here is plain numpy so that the analysis stages never need torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 
-def block_sizes(num_frames: int, frames_per_block: int) -> list[int]:
-    """Latent frames per autoregressive block; a remainder forms a shorter last block."""
+def block_sizes(
+    num_frames: int,
+    frames_per_block: int,
+    independent_first_frame: bool = False,
+    *,
+    frames_key: str = "video.num_frames",
+) -> list[int]:
+    """Latent frames per autoregressive block, as Self-Forcing lays them out: blocks of
+    `frames_per_block`, after a lone first frame with `independent_first_frame` ([1, 3, 3, ...]).
+
+    A frame count that is not a whole number of blocks is refused, as Self-Forcing refuses it:
+    never a shorter last block. `frames_key` names the frame count in the message.
+    """
     if num_frames < 1 or frames_per_block < 1:
         raise ValueError(
             f"need num_frames >= 1 and frames_per_block >= 1, got {num_frames}, {frames_per_block}"
         )
-    full, rest = divmod(num_frames, frames_per_block)
-    return [frames_per_block] * full + ([rest] if rest else [])
+    first = 1 if independent_first_frame else 0
+    full, rest = divmod(num_frames - first, frames_per_block)
+    if rest:
+        lower = num_frames - rest
+        fits = [n for n in (lower, lower + frames_per_block) if n >= 1]
+        rule = (
+            f"{frames_key} - 1 must be a multiple of video.frames_per_block={frames_per_block} "
+            "(a lone first frame, then whole blocks)"
+            if independent_first_frame
+            else f"it must be a multiple of video.frames_per_block={frames_per_block}"
+        )
+        raise ValueError(
+            f"{frames_key}={num_frames} does not fit the block layout: with "
+            f"video.independent_first_frame: {str(bool(independent_first_frame)).lower()}, "
+            f"{rule}; Self-Forcing makes no shorter last block (nearest that fit: "
+            f"{' or '.join(map(str, fits))})"
+        )
+    return [1] * first + [frames_per_block] * full
 
 
 def block_starts(sizes: list[int]) -> np.ndarray:
@@ -137,6 +165,13 @@ def attention_store_bytes(
     return key_mass + num_passes * num_heads * (num_frames + num_frames**2) * 4
 
 
+def attention_chunk_frames(sizes: Sequence[int]) -> int:
+    """Query frames per chunk of an attention store's key_mass: the largest count that makes
+    every block whole chunks (3 for [3, 3, ...], 1 for [1, 3, 3, ...]), so that one pass call
+    of one block writes whole chunks, never half of one another block shares."""
+    return math.gcd(*(int(size) for size in sizes))
+
+
 def attention_store_disk_bytes(
     *,
     num_passes: int,
@@ -147,8 +182,9 @@ def attention_store_disk_bytes(
     block_size: int = 4096,
 ) -> int:
     """An upper bound of the disk space of one layer's attention store, whatever key_mass
-    compresses to: every chunk (one per pass and block) stored raw with its overheads and rounded
-    up to a filesystem block, the small arrays, directories and metadata."""
+    compresses to: every chunk (one per pass and `frames_per_block` query frames, the store's
+    chunking: `attention_chunk_frames`) stored raw with its overheads and rounded up to a
+    filesystem block, the small arrays, directories and metadata."""
     chunks = num_passes * -(-num_frames // frames_per_block)
     raw = attention_store_bytes(
         num_passes=num_passes,
@@ -160,3 +196,18 @@ def attention_store_disk_bytes(
     directories = (2 + num_passes + chunks + 12) * block_size
     coordinates = num_frames * frame_seq_length * 4 + num_frames * 4 + 8 * block_size
     return data + directories + coordinates + _METADATA_BYTES
+
+
+def export_bytes(
+    *, num_heads: int, frame_seq_length: int, num_frames: int, last_block_frames: int
+) -> dict[str, int]:
+    """Bytes of the tensors of one layer in each layout (the files add a few kB of pickle and zip
+    headers): the token-sized ones hold H x Lq x Lk values, Lq = last_block_frames x T queries
+    over Lk = num_frames x T keys; `frames` is one layer{L}.pt, [H, F, F] + [H, F] float32."""
+    tokens = num_heads * last_block_frames * frame_seq_length * num_frames * frame_seq_length
+    return {
+        "figure4": tokens * 4,  # float32 probabilities
+        "logit_cache": tokens * 2,  # float16 logits
+        "shapes_cache": tokens * 2,  # the same logits, with q_shape and k_shape
+        "frames": num_heads * num_frames * (num_frames + 1) * 4,
+    }

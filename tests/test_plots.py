@@ -9,7 +9,6 @@ from pathlib import Path
 
 import matplotlib.colors as mcolors
 import numpy as np
-import pandas as pd
 import pytest
 import xarray as xr
 from matplotlib.collections import QuadMesh
@@ -412,7 +411,7 @@ def test_figures_plot_the_statistics_csv_values(tmp_path):
     """Figures and Contract 3 read one rule: a key frame counts only if every query frame of the
     set sees it. Here the last block's query frames see different keys (a window evicting
     mid-block), where averaging with skipna (the figures' old rule) would disagree."""
-    from sinkscope.analysis.stats import write_stats
+    from sinkscope.analysis.stats import per_head, read_stats, write_stats
 
     ds = make_frame_dataset(layer=2, seed=4)
     last = plots.stats.last_block_rows(ds)
@@ -420,7 +419,7 @@ def test_figures_plot_the_statistics_csv_values(tmp_path):
         ds[variable][:, :, last[0], [1, 3]] = np.nan  # frames 1 and 3 evicted before query 18
     store = write_store(tmp_path / "frames", ds)
     write_stats(store, tmp_path / "layer2.csv")
-    csv = pd.read_csv(tmp_path / "layer2.csv", keep_default_na=False, na_values=[""])
+    csv = per_head(read_stats(tmp_path / "layer2.csv"))  # the heads, not the head = mean rows
     rows = csv[(csv["measure"] == "logit_mean") & (csv["step"] == 0)].set_index("head")
     skipna = numpy_last_block(ds, "logit_mean", 0)
     # The old rule keeps frames 1 and 3, so its first-middle-last differ from the CSV's.

@@ -1,4 +1,5 @@
-"""sinkscope.analysis.stats against numbers worked out by hand on a 4-frame, 2-block dataset."""
+"""sinkscope.analysis.stats against numbers worked out by hand on a 4-frame, 2-block dataset, and
+the head = mean rows against numpy on the head-mean profile."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import pandas as pd
 import pytest
 import xarray as xr
 
+from sinkscope import frames
 from sinkscope.analysis.stats import (
     COLUMNS,
+    MEAN_HEAD,
+    STAT_COLUMNS,
     frame_statistics,
+    per_head,
+    read_stats,
     sink_rates,
     write_stats,
     write_summary,
@@ -59,7 +65,9 @@ def hand_dataset(prompt: str = "cat", checkpoint: str = "demo", logit_shift: flo
     )
 
 
-def row(table: pd.DataFrame, *, head: int, measure: str, query: str, step: int = 0) -> pd.Series:
+def row(
+    table: pd.DataFrame, *, head: int | str, measure: str, query: str, step: int = 0
+) -> pd.Series:
     match = table[
         (table["head"] == head)
         & (table["measure"] == measure)
@@ -87,8 +95,10 @@ LAST_BLOCK = {
         last=2,
         sink_score=2,
         first_middle_ratio=3,
+        first_last_diff=1,
         spread_pct=(3 - 1) / 1.75 * 100,
         argmax_frame=0,
+        min_frame=1,  # frames 1 and 2 tie: the first, as argmax
         uniform_multiple=None,
         recent_mass=None,
         entropy=1.5,
@@ -100,21 +110,25 @@ LAST_BLOCK = {
         last=0.3,
         sink_score=0.25,
         first_middle_ratio=0.4 / 0.15,
+        first_last_diff=0.1,
         spread_pct=(0.4 - 0.1) / 0.25 * 100,
         argmax_frame=0,
+        min_frame=1,
         uniform_multiple=0.4 * 4,
         recent_mass=0.2 + 0.3,
         entropy=1.5,
     ),
-    # head 1, logits: profile [-2, -4, -1, -3], negative mean
+    # head 1, logits: profile [-2, -4, -1, -3], negative mean; middle < 0: no ratio (not 0.8)
     (1, "logit_mean"): dict(
         first=-2,
         middle=-2.5,
         last=-3,
         sink_score=0.5,
-        first_middle_ratio=0.8,
+        first_middle_ratio=None,
+        first_last_diff=1,
         spread_pct=3 / 2.5 * 100,
         argmax_frame=2,
+        min_frame=1,
         uniform_multiple=None,
         recent_mass=None,
         entropy=1.2,
@@ -126,8 +140,10 @@ LAST_BLOCK = {
         last=0.4,
         sink_score=-0.15,
         first_middle_ratio=0.4,
+        first_last_diff=-0.3,
         spread_pct=0.3 / 0.25 * 100,
         argmax_frame=3,
+        min_frame=0,
         uniform_multiple=0.4,
         recent_mass=0.7,
         entropy=1.2,
@@ -138,7 +154,7 @@ LAST_BLOCK = {
 def test_last_block_every_statistic():
     table = frame_statistics(hand_dataset(), query="last_block")
     assert list(table.columns) == COLUMNS
-    assert len(table) == 2 * 2 * 2  # heads x steps x measures
+    assert len(table) == 2 * 2 * 2 + 2 * 2  # heads x steps x measures, + head = mean rows
     assert set(table["query"]) == {"last_block"}
     for (head, measure), expected in LAST_BLOCK.items():
         for step in (0, 1):
@@ -154,14 +170,18 @@ def test_provenance_and_step_columns():
     assert set(step1["timestep"]) == {0.0}
     assert set(step1["pass_kind"]) == {"cache"}
     assert set(table[table["step"] == 0]["pass_kind"]) == {"denoise"}
-    # One row per (head, step, measure, query set), in that order.
-    keys = list(zip(table["head"], table["step"], table["measure"], strict=True))
-    assert keys == sorted(keys)
+    # One row per (head, step, measure, query set), in that order, then the head = mean rows.
+    heads = table["head"].tolist()
+    assert heads == [0] * 4 + [1] * 4 + [MEAN_HEAD] * 4
+    assert all(type(head) is int for head in heads[:8])
+    for part in (table.iloc[:8], table.iloc[8:]):
+        keys = list(zip(part["head"], part["step"], part["measure"], strict=True))
+        assert keys == sorted(keys)
 
 
 def test_each_block():
     table = frame_statistics(hand_dataset(), query="each_block")
-    assert len(table) == 2 * 2 * 2 * 2
+    assert len(table) == 2 * 2 * 2 * 2 + 2 * 2 * 2
     assert set(table["query"]) == {"block0", "block1"}
     for (head, measure), expected in LAST_BLOCK.items():
         check(row(table, head=head, measure=measure, query="block1"), **expected)
@@ -173,8 +193,10 @@ def test_each_block():
         last=2,
         sink_score=None,
         first_middle_ratio=None,
+        first_last_diff=0,
         spread_pct=0,
         argmax_frame=0,
+        min_frame=0,  # a tie
         uniform_multiple=None,
         recent_mass=None,
         entropy=0.6,
@@ -203,7 +225,7 @@ def test_each_block():
 
 def test_each_frame():
     table = frame_statistics(hand_dataset(), query="each_frame")
-    assert len(table) == 2 * 2 * 2 * 4
+    assert len(table) == 2 * 2 * 2 * 4 + 2 * 2 * 4
     assert set(table["query"]) == {"frame0", "frame1", "frame2", "frame3"}
     check(
         row(table, head=0, measure="prob_mass", query="frame0"),
@@ -266,6 +288,241 @@ def test_evicted_frame_is_skipped():
     )
 
 
+# The head-mean profiles of the last block: logits [3, 1, 1, 2] and [-2, -4, -1, -3] average to
+# [0.5, -1.5, 0, -0.5]; masses [0.4, 0.1, 0.2, 0.3] and [0.1, 0.2, 0.3, 0.4] to
+# [0.25, 0.15, 0.25, 0.35].
+HEAD_MEAN = {
+    "logit_mean": dict(
+        first=0.5,
+        middle=-0.75,
+        last=-0.5,
+        sink_score=1.25,
+        first_last_diff=1.0,
+        first_middle_ratio=None,  # middle <= 0
+        spread_pct=2 / 0.375 * 100,
+        argmax_frame=0,
+        min_frame=1,
+        uniform_multiple=None,
+        recent_mass=None,
+        entropy=None,
+        importance=None,
+    ),
+    "prob_mass": dict(
+        first=0.25,
+        middle=0.2,
+        last=0.35,
+        sink_score=0.05,
+        first_last_diff=-0.1,
+        first_middle_ratio=1.25,  # the per-head ratios 0.4 / 0.15 and 0.4 average to 1.53
+        spread_pct=0.2 / 0.25 * 100,
+        argmax_frame=3,
+        min_frame=1,
+        uniform_multiple=1.0,
+        recent_mass=0.6,
+        entropy=None,  # belongs to single heads
+        importance=None,
+    ),
+}
+
+
+def test_head_mean_rows_by_hand():
+    table = frame_statistics(hand_dataset(), query="last_block")
+    for measure, expected in HEAD_MEAN.items():
+        for step in (0, 1):
+            got = row(table, head=MEAN_HEAD, measure=measure, query="last_block", step=step)
+            check(got, **expected)
+            assert got["head_class"] == ""
+            assert (got["checkpoint"], got["prompt"], got["layer"]) == ("demo", "cat", 4)
+    got = row(table, head=MEAN_HEAD, measure="prob_mass", query="last_block", step=1)
+    assert (got["timestep"], got["pass_kind"]) == (0.0, "cache")
+    heads = per_head(table[table["measure"] == "prob_mass"])
+    assert heads["first_middle_ratio"].mean() == pytest.approx((0.4 / 0.15 + 0.4) / 2)
+
+
+def test_head_mean_profile_needs_every_head():
+    """A key frame one head cannot see leaves the head-mean profile, as for query frames."""
+    ds = hand_dataset()
+    ds["prob_mass"][:, 0, 3, 1] = np.nan  # head 0, query frame 3 cannot see key frame 1
+    table = frame_statistics(ds, query="last_block")
+    # Head-mean profile [0.25, NaN, 0.25, 0.35]: middle is frame 2 alone.
+    check(
+        row(table, head=MEAN_HEAD, measure="prob_mass", query="last_block"),
+        first=0.25,
+        middle=0.25,
+        last=0.35,
+        first_middle_ratio=1.0,
+        argmax_frame=3,
+        min_frame=0,
+        uniform_multiple=0.75,
+        recent_mass=0.6,
+    )
+    # Head 1 still sees frame 1.
+    check(row(table, head=1, measure="prob_mass", query="last_block"), middle=0.25)
+
+
+def _windowed_dataset(seed: int = 0) -> xr.Dataset:
+    """3 heads, 2 steps, 8 frames in blocks of 2 with a rolling cache of 5 frames, 1 of them a sink:
+    the last blocks cannot see some middle frames. Random values, logits of both signs."""
+    rng = np.random.default_rng(seed)
+    sizes = [2, 2, 2, 2]
+    seen = frames.visible_frames(sizes, local_attn_size=5, sink_size=1)
+    shape = (2, 3, 8, 8)
+    logits = np.where(seen, rng.normal(0.0, 1.0, shape), np.nan)
+    weights = np.where(seen, rng.uniform(0.01, 1.0, shape), 0.0)
+    mass = np.where(seen, weights / weights.sum(axis=-1, keepdims=True), np.nan)
+    dims = ("step", "head", "query_frame", "key_frame")
+    return xr.Dataset(
+        {
+            "logit_mean": (dims, logits),
+            "prob_mass": (dims, mass),
+            "entropy": (dims[:3], rng.uniform(0.0, 2.0, shape[:3])),
+        },
+        coords={
+            "step": [0, 1],
+            "head": [0, 1, 2],
+            "query_frame": range(8),
+            "key_frame": range(8),
+            "timestep": ("step", [1000.0, 0.0]),
+            "pass_kind": ("step", ["denoise", "cache"]),
+            "block": ("query_frame", frames.block_of_frame(sizes)),
+            "checkpoint": "c",
+            "prompt": "p",
+            "layer": 3,
+        },
+    )
+
+
+def _numpy_statistics(profile: np.ndarray, own: np.ndarray, measure: str) -> dict:
+    """The Contract 3 statistics of one profile over key frames 0..F-1, written out in numpy."""
+    frames_seen = np.flatnonzero(~np.isnan(profile))
+    v = profile[frames_seen]
+    middle = v[1:-1].mean()
+    expected = dict(
+        first=v[0],
+        middle=middle,
+        last=v[-1],
+        sink_score=v[0] - middle,
+        first_last_diff=v[0] - v[-1],
+        first_middle_ratio=v[0] / middle if middle > 0 else None,
+        spread_pct=(v.max() - v.min()) / abs(v.mean()) * 100,
+        argmax_frame=frames_seen[v.argmax()],
+        min_frame=frames_seen[v.argmin()],
+        entropy=None,
+        importance=None,
+    )
+    if measure == "prob_mass":
+        expected.update(uniform_multiple=v[0] * v.size, recent_mass=profile[own].sum())
+    else:
+        expected.update(uniform_multiple=None, recent_mass=None)
+    return expected
+
+
+def test_head_mean_rows_are_statistics_of_the_numpy_head_mean_profile():
+    ds = _windowed_dataset()
+    table = frame_statistics(ds, query="each_block")
+    blocks = ds["block"].values
+    assert len(table[table["head"] == MEAN_HEAD]) == 2 * 2 * 4  # steps x measures x blocks
+    checked_nan_middle_frame = False
+    for measure in ("logit_mean", "prob_mass"):
+        values = ds[measure].values
+        for step in (0, 1):
+            for block in (1, 2, 3):  # block 0 has no middle frame
+                own = np.flatnonzero(blocks == block)
+                # Mean over the block's query frames, then over heads: NaN where any misses.
+                profile = values[step][:, own, :].mean(axis=1).mean(axis=0)
+                checked_nan_middle_frame |= bool(np.isnan(profile[1 : own[0]]).any())
+                got = row(table, head=MEAN_HEAD, measure=measure, query=f"block{block}", step=step)
+                check(got, **_numpy_statistics(profile, own, measure))
+                # first, middle and last are linear: the means of the per-head rows.
+                heads = table[
+                    (table["head"] != MEAN_HEAD)
+                    & (table["measure"] == measure)
+                    & (table["query"] == f"block{block}")
+                    & (table["step"] == step)
+                ]
+                assert len(heads) == 3
+                for name in ("first", "middle", "last", "first_last_diff"):
+                    assert got[name] == pytest.approx(heads[name].mean())
+    assert checked_nan_middle_frame  # the window did evict frames the statistics skip
+
+
+def _profile_dataset(profiles: dict[str, list[list[float]]]) -> xr.Dataset:
+    """One step, one block of 4 frames whose every query frame has, per head, the profile
+    `profiles[measure][head]` over key frames 0-3."""
+    arrays = {
+        measure: np.repeat(np.asarray(rows, dtype=float)[None, :, None, :], 4, axis=2)
+        for measure, rows in profiles.items()
+    }
+    num_heads = len(profiles["prob_mass"])
+    dims = ("step", "head", "query_frame", "key_frame")
+    return xr.Dataset(
+        {
+            **{measure: (dims, array) for measure, array in arrays.items()},
+            "entropy": (dims[:3], np.ones((1, num_heads, 4))),
+        },
+        coords={
+            "step": [0],
+            "head": range(num_heads),
+            "query_frame": range(4),
+            "key_frame": range(4),
+            "timestep": ("step", [1000.0]),
+            "pass_kind": ("step", ["denoise"]),
+            "block": ("query_frame", [0, 0, 0, 0]),
+            "checkpoint": "c",
+            "prompt": "p",
+            "layer": 0,
+        },
+    )
+
+
+def test_head_mean_ratio_is_not_the_mean_of_head_ratios():
+    # A strong sink head (ratio 50) and a middle-heavy head (ratio 1/9).
+    mass = [[0.5, 0.01, 0.01, 0.48], [0.05, 0.45, 0.45, 0.05]]
+    table = frame_statistics(_profile_dataset({"prob_mass": mass, "logit_mean": mass}))
+    rows = table[table["measure"] == "prob_mass"]
+    head_ratios = per_head(rows)["first_middle_ratio"]
+    assert head_ratios.tolist() == pytest.approx([50.0, 1 / 9])
+    mean_row = row(table, head=MEAN_HEAD, measure="prob_mass", query="last_block")
+    # The head-mean profile [0.275, 0.23, 0.23, 0.265]: ratio 0.275 / 0.23, about 1.2, where
+    # the mean of the head ratios is about 25.
+    assert mean_row["first_middle_ratio"] == pytest.approx(0.275 / 0.23)
+    assert head_ratios.mean() > 20 * mean_row["first_middle_ratio"]
+    check(mean_row, first=0.275, middle=0.23, last=0.265, first_last_diff=0.01, min_frame=1)
+
+
+def test_ratio_is_nan_where_middle_is_not_positive():
+    logits = [
+        [1.0, -0.01, 0.01, 0.5],  # middle 0: no ratio, not inf
+        [1.0, -0.5, -0.1, 0.0],  # middle -0.3: no ratio, not -3.3
+        [2.0, 1.0, 1.0, 0.0],  # middle 1: ratio 2
+        [-1.0, 0.5, 1.5, 2.0],  # middle 1, first negative: ratio -1
+    ]
+    mass = [
+        [0.6, 0.0, 0.0, 0.4],  # no mass between: no ratio, not inf
+        [0.4, 0.2, 0.2, 0.2],
+        [0.25, 0.25, 0.25, 0.25],
+        [0.1, 0.3, 0.3, 0.3],
+    ]
+    table = frame_statistics(_profile_dataset({"logit_mean": logits, "prob_mass": mass}))
+    by_head = per_head(table).set_index(["measure", "head"])
+    ratios = by_head.loc["logit_mean", "first_middle_ratio"]
+    assert ratios.isna().tolist() == [True, True, False, False]
+    assert ratios.loc[[2, 3]].tolist() == pytest.approx([2.0, -1.0])
+    sink_scores = by_head.loc["logit_mean", "sink_score"]
+    assert sink_scores.tolist() == pytest.approx([1.0, 1.3, 1.0, -2.0])  # still defined
+    masses = by_head.loc["prob_mass", "first_middle_ratio"]
+    assert masses.isna().tolist() == [True, False, False, False]
+    assert not np.isinf(table["first_middle_ratio"]).any()
+    # The head-mean logits [0.75, 0.2475, 0.6025, 0.625]: middle 0.425 > 0, so a ratio.
+    mean_row = row(table, head=MEAN_HEAD, measure="logit_mean", query="last_block")
+    check(mean_row, first=0.75, middle=0.425, first_middle_ratio=0.75 / 0.425)
+    # Shifted down by 1, the head-mean middle is negative: no ratio, while sink_score stays.
+    shifted = [[value - 1.0 for value in head] for head in logits]
+    table = frame_statistics(_profile_dataset({"logit_mean": shifted, "prob_mass": mass}))
+    mean_row = row(table, head=MEAN_HEAD, measure="logit_mean", query="last_block")
+    check(mean_row, middle=0.425 - 1, first_middle_ratio=None, sink_score=0.75 - 0.425)
+
+
 def test_unknown_query_mode():
     with pytest.raises(ValueError, match="each_head"):
         frame_statistics(hand_dataset(), query="each_head")
@@ -278,8 +535,15 @@ def test_write_stats_round_trip(tmp_path):
     csv = tmp_path / "stats" / "layer4.csv"
     write_stats(store, csv, query="each_block")
     assert not csv.with_name(csv.name + ".tmp").exists()
-    table = pd.read_csv(csv)
+    table = read_stats(csv)
     assert list(table.columns) == COLUMNS
+    # Heads come back as integers and "mean", in the order written; frame indices as integers.
+    assert table["head"].tolist() == [0] * 8 + [1] * 8 + [MEAN_HEAD] * 8
+    assert all(type(head) is int for head in table["head"].iloc[:16])
+    assert str(table["argmax_frame"].dtype) == "Int64" == str(table["min_frame"].dtype)
+    built = frame_statistics(hand_dataset(), query="each_block")
+    pd.testing.assert_frame_equal(table, built, check_dtype=False, atol=1e-6)
+    assert set(pd.read_csv(csv)["head"]) == {"0", "1", "mean"}  # plain pandas: all text
     assert set(table["checkpoint"]) == {"demo"}
     assert set(table["prompt"]) == {"cat"}
     assert set(table["layer"]) == {4}
@@ -297,10 +561,10 @@ def test_summary_mean_std_count(tmp_path):
     out = tmp_path / "summary.csv"
     write_summary(paths, out)
     assert not out.with_name(out.name + ".tmp").exists()
-    summary = pd.read_csv(out)
+    summary = read_stats(out)
     assert list(summary.columns) == [*COLUMNS, "aggregate"]
     runs_rows = summary[summary["aggregate"] == "run"]
-    assert len(runs_rows) == 3 * 8
+    assert len(runs_rows) == 3 * 12
     assert set(runs_rows["prompt"]) == {"cat", "dog"}
 
     def aggregate(kind, checkpoint, measure, head=0):
@@ -338,8 +602,15 @@ def test_summary_mean_std_count(tmp_path):
     check(aggregate("mean", "other", "logit_mean"), first=13)
     check(aggregate("std", "other", "logit_mean"), first=None)
     check(aggregate("count", "other", "logit_mean"), first=1)
-    # demo and other: 2 heads x 2 steps x 2 measures each, and three aggregates of each.
-    assert len(summary) == 3 * 8 + 3 * 2 * 8
+    # The head = mean rows are their own group: logits' mean profile starts at 0.5 (cat) and 2.5
+    # (dog), never mixed with heads 0 and 1 (first 3 and -2 for cat).
+    check(aggregate("mean", "demo", "logit_mean", MEAN_HEAD), first=1.5, sink_score=1.25)
+    check(aggregate("count", "demo", "logit_mean", MEAN_HEAD), first=2, entropy=0)
+    # Groups sorted by head as numbers, then "mean".
+    demo_means = summary[(summary["aggregate"] == "mean") & (summary["checkpoint"] == "demo")]
+    assert list(dict.fromkeys(demo_means["head"])) == [0, 1, MEAN_HEAD]
+    # demo and other: (2 heads + mean) x 2 steps x 2 measures each, and three aggregates of each.
+    assert len(summary) == 3 * 12 + 3 * 2 * 12
 
 
 def write_stats_from(ds: xr.Dataset, path):
@@ -413,7 +684,7 @@ def _class_dataset() -> xr.Dataset:
 def test_importance_head_class_and_sink_rate_by_hand():
     ds = _class_dataset()
     table = frame_statistics(ds, sink_threshold=0.3, recent_threshold=0.5)
-    mass = table[table.measure == "prob_mass"].set_index("head")
+    mass = per_head(table[table.measure == "prob_mass"]).set_index("head")
     # importance: mean mass on frame 0 over the 4 query frames that see it.
     assert mass.loc[0, "importance"] == pytest.approx((1.0 + 0.5 + 0.6 + 0.5) / 4)
     assert mass.loc[1, "importance"] == pytest.approx((1.0 + 0.5 + 0.1 + 0.1) / 4)
@@ -426,6 +697,7 @@ def test_importance_head_class_and_sink_rate_by_hand():
         "sink",
         "recent",
         "spread",
+        "",  # the head = mean row has no class
     ]
     assert (table[table.measure == "logit_mean"]["head_class"] == "").all()
     assert table[table.measure == "logit_mean"]["importance"].isna().all()
@@ -436,12 +708,51 @@ def test_importance_head_class_and_sink_rate_by_hand():
     ]
 
 
+def test_sink_rates_never_count_the_head_mean_rows(tmp_path):
+    table = frame_statistics(_class_dataset())
+    assert (table["head"] == MEAN_HEAD).sum() == 2  # one per measure
+    expected = sink_rates(per_head(table), threshold=0.45)
+    assert expected[["num_heads", "sink_heads"]].values.tolist() == [[3, 2]]
+    pd.testing.assert_frame_equal(sink_rates(table, threshold=0.45), expected)
+    # Even with an importance filled in, the mean row is no head.
+    tampered = table.copy()
+    tampered.loc[tampered["head"] == MEAN_HEAD, "importance"] = 1.0
+    pd.testing.assert_frame_equal(sink_rates(tampered, threshold=0.45), expected)
+    # Read back from CSV, where every head is text, as well.
+    table.to_csv(tmp_path / "a.csv", index=False)
+    for read in (read_stats, pd.read_csv):
+        rates = sink_rates(read(tmp_path / "a.csv"), threshold=0.45)
+        assert rates[["num_heads", "sink_heads"]].values.tolist() == [[3, 2]]
+
+
+def test_head_statistics_are_the_heads_only():
+    from sinkscope.analysis.stats import head_statistics
+
+    rows = head_statistics(hand_dataset(), "prob_mass", 0)
+    assert rows.index.tolist() == [0, 1]
+    assert rows["first"].tolist() == pytest.approx([0.4, 0.1])
+
+
+def test_stat_columns():
+    """Every statistic is numeric (summarize aggregates each) and present on every row."""
+    assert {"first_last_diff", "min_frame"} <= set(STAT_COLUMNS)
+    table = frame_statistics(hand_dataset())
+    assert table[["first_last_diff", "min_frame"]].notna().all().all()
+
+
 def test_summary_writes_sink_rates(tmp_path):
     from sinkscope.analysis.stats import write_summary
 
     table = frame_statistics(_class_dataset())
     table.to_csv(tmp_path / "a.csv", index=False)
-    write_summary([tmp_path / "a.csv"], tmp_path / "summary.csv", tmp_path / "sink_rate.csv")
+    write_summary(
+        [tmp_path / "a.csv"],
+        tmp_path / "summary.csv",
+        tmp_path / "sink_rate.csv",
+        html_table=tmp_path / "summary.html",
+    )
+    html = (tmp_path / "summary.html").read_text()
+    assert "first_last_diff" in html and "<td>mean</td>" in html  # the head = mean rows too
     rates = pd.read_csv(tmp_path / "sink_rate.csv")
     # Default threshold 0.3: importances 0.65, 0.425 and 0.4875 all exceed it.
     assert rates[["num_heads", "sink_heads", "sink_rate"]].values.tolist() == [[3, 3, 1.0]]

@@ -19,6 +19,7 @@ from sinkscope.extraction.capture import softmax_reductions
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.store import AttentionStoreWriter, partial_path
 from sinkscope.frames import (
+    attention_chunk_frames,
     attention_store_bytes,
     attention_store_disk_bytes,
     block_starts,
@@ -167,7 +168,10 @@ def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
         assert np.nanmax(attention.prob_mass.values) > 0.2
 
 
-def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path):
+# Self-Forcing's two block layouts (no shorter last block): blocks of 2, and a lone first frame
+# before them, whose key_mass chunks are one query frame (`attention_chunk_frames`).
+@pytest.mark.parametrize("sizes", [[2, 2, 2], [1, 2, 2]], ids=["blocks", "lone-first-frame"])
+def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
     # Real geometry: 21 frames of 1560 tokens, 12 heads, 5 passes.
     raw = attention_store_bytes(num_passes=5, num_heads=12, num_frames=21, frame_seq_length=1560)
     tokens = token_store_bytes(
@@ -181,12 +185,13 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path):
     assert raw == 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 21 * 21) * 4
     assert raw / tokens < 0.005
     # The bound holds for incompressible key mass on a small geometry.
+    num_frames, chunk_frames = sum(sizes), attention_chunk_frames(sizes)
     writer = AttentionStoreWriter(
         tmp_path / "s.zarr",
         num_heads=2,
-        num_frames=5,
+        num_frames=num_frames,
         frame_seq_length=8,
-        frames_per_block=2,
+        frames_per_block=chunk_frames,
         timesteps=[1000.0, 0.0],
         pass_kinds=["denoise", "cache"],
         attrs={"layer": 0},
@@ -194,14 +199,18 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path):
     rng = np.random.default_rng(0)
     with writer:
         for step in range(2):
-            for start, size in zip(block_starts([2, 2, 1]), [2, 2, 1], strict=True):
+            for start, size in zip(block_starts(sizes), sizes, strict=True):
                 start = int(start)
                 keys = np.arange(start + size)
                 mass = rng.random((2, size, len(keys) * 8)).astype(np.float32)
                 writer.write_block(step, start, keys, mass, rng.random((2, size)))
     used = sum(p.stat().st_size for p in (tmp_path / "s.zarr").rglob("*") if p.is_file())
     bound = attention_store_disk_bytes(
-        num_passes=2, num_heads=2, num_frames=5, frame_seq_length=8, frames_per_block=2
+        num_passes=2,
+        num_heads=2,
+        num_frames=num_frames,
+        frame_seq_length=8,
+        frames_per_block=chunk_frames,
     )
     assert 0 < used <= bound
     assert not partial_path(tmp_path / "s.zarr").exists()

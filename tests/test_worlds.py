@@ -27,6 +27,7 @@ FORBIDDEN = {
         "sinkscope.wan.rope",
     ),
     "extraction": ("sinkscope.analysis",),
+    "exports": ("sinkscope.workflow", "sinkscope.extraction", "sinkscope.wan"),
 }
 
 

@@ -389,8 +389,17 @@ def plot_figure4(
         ax.set_title(head_label(layer, head))
         ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
         ax.set_ylabel(PROFILE_LABELS[measure])
-    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    first = next(iter(layers.values()))
+    fig.suptitle(f"{_run_title(first, step)} · {last_block_label(first)}")
     return fig
+
+
+def last_block_label(ds: xr.Dataset) -> str:
+    """'last block: query frames 16-18 (latent)', read from the block coordinate, so it names
+    the query set of the statistics whatever the block layout ([3, 3, ...] or [1, 3, 3, ...])."""
+    frames = [int(f) for f in ds["query_frame"].values[stats.last_block_rows(ds)]]
+    span = f"frame {frames[0]}" if len(frames) == 1 else f"frames {frames[0]}–{frames[-1]}"
+    return f"last block: query {span} (latent)"
 
 
 def _grid_columns(count: int) -> int:
@@ -818,11 +827,14 @@ SINK_RATE_DODGE = 0.08  # layers between the markers of consecutive steps
 def survey_statistics(
     datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, recent_threshold: float = 0.5
 ) -> pd.DataFrame:
-    """The `last_block` prob_mass rows of the statistics CSV (`stats.frame_statistics`, Contract
-    3) of every layer of one run, stacked: one row per (layer, head, step)."""
+    """The per-head `last_block` prob_mass rows of the statistics CSV (`stats.frame_statistics`,
+    Contract 3; `stats.per_head`: no head = mean rows) of every layer of one run, stacked: one
+    row per (layer, head, step)."""
     tables = [
-        stats.frame_statistics(
-            ds, "last_block", sink_threshold=sink_threshold, recent_threshold=recent_threshold
+        stats.per_head(
+            stats.frame_statistics(
+                ds, "last_block", sink_threshold=sink_threshold, recent_threshold=recent_threshold
+            )
         )
         for ds in _by_layer(datasets).values()
     ]

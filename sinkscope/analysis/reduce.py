@@ -246,11 +246,11 @@ def _reduce_shard(
     """dask block (step, head, query frame) -> (1, 1, 1, 2F + 1): the frame's (T, N) rows of one
     head and pass, one shard of the store, read here so that a damaged shard can be named."""
     step, head, frame, _ = block_id
-    rows = _read_rows(logits, path, step, head, frame, tokens_per_frame)
+    rows = read_token_rows(logits, path, step, head, frame, tokens_per_frame)
     return reduce_rows(rows, num_frames)[None, None, None, :]
 
 
-def _read_rows(
+def read_token_rows(
     logits: zarr.Array, path: Path, step: int, head: int, frame: int, tokens_per_frame: int
 ) -> np.ndarray:
     """logits[step, head, the query frame's T rows, :]; a failed read names its chunk."""
@@ -448,7 +448,7 @@ def _store_layout(
     return tokens_per_frame, num_frames, sizes
 
 
-def _check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
+def check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate the layout against the attributes; returns (T, F, block sizes)."""
     tokens_per_frame, num_frames, sizes = _store_layout(
         "token store", path, ds, ("timestep", "pass_kind")
@@ -535,7 +535,7 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
     atomically at `out` and mark it complete last."""
     tune_zarr()
     store, out = Path(store), Path(out)
-    opened = _open_store(STORE_NAMES[kind], store, chunks=None)  # lazy: nothing read yet
+    opened = open_store(STORE_NAMES[kind], store, chunks=None)  # lazy: nothing read yet
     with opened as ds:
         result = reducer(store, ds)
     encoding = {variable: {"compressors": checked_compressors()} for variable in result.variables}
@@ -544,7 +544,7 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
         mark_complete(temporary)
 
 
-def _open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
+def open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
     """xr.open_zarr of a store after checking it is one and its metadata copies agree; errors
     name the path."""
     if not (path / "zarr.json").is_file():
@@ -626,7 +626,7 @@ def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
     """The frame dataset of an opened token store."""
-    tokens_per_frame, num_frames, sizes = _check_token_store(token_store, ds)
+    tokens_per_frame, num_frames, sizes = check_token_store(token_store, ds)
     pooled = _values(token_store, ds, "logit_mean_pooled") if "logit_mean_pooled" in ds else None
     if "logits" in ds.variables:
         logit_mean, prob_mass, entropy = _reduce_logits(
@@ -689,7 +689,7 @@ def _reduce_logits(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """logit_mean, prob_mass and entropy from the token logits, in one threaded dask pass."""
     # One dask block = one query frame's rows of one head and pass, i.e. one shard of the store,
-    # read with zarr inside the block's task (_read_rows names a shard that fails its read).
+    # read with zarr inside the block's task (read_token_rows names a shard that fails its read).
     try:
         logits = zarr.open_group(str(path), mode="r")["logits"]
     except Exception as err:
@@ -771,7 +771,7 @@ def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
     metadata copies, attribute checksum, `complete` mark and layout; errors name the path."""
     path = Path(path)
     kind = STORE_NAMES["attention"]
-    store = _open_store(kind, path)
+    store = open_store(kind, path)
     _check_attention_store(path, store)
     missing = [
         name for name in ("checkpoint", "prompt", "layer", "latent_grid") if name not in store.attrs

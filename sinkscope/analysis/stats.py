@@ -1,4 +1,24 @@
-"""Frame dataset (Contract 2) -> tidy attention-sink statistics (Contract 3)."""
+"""Frame dataset (Contract 2) -> tidy attention-sink statistics (Contract 3).
+
+Rows per head, and per layer (`head = mean`):
+- A per-head row holds the statistics of that head's profile (`query_profile`).
+- A `head = mean` row (`MEAN_HEAD`) holds the statistics of the head-mean profile: the per-head
+  profiles averaged over the heads key frame by key frame, then first / middle / last, the ratio
+  and the rest computed on that one profile. This is how the seed notebooks (Deep Forcing's
+  Fig. 4) compute layer-level numbers. It is not the mean of the per-head rows: first, middle,
+  last, sink_score, first_last_diff, uniform_multiple and recent_mass are linear in the profile
+  and agree with the per-head means (where every head sees the same key frames), but the ratio,
+  spread_pct, argmax_frame and min_frame are not, and the mean of the per-head ratio can be far
+  from the ratio of the mean profile. As with query frames, a key frame counts in the head-mean
+  profile only if every head sees it (NaN otherwise). entropy, importance and head_class belong
+  to single heads (a head's own attention, a head's class, Gu et al.'s share of heads) and are
+  empty on the mean rows; `per_head` drops those rows, and `sink_rates` never counts them.
+- first_middle_ratio = first / middle only where middle > 0, NaN otherwise. A ratio compares
+  positive sizes: a logit middle <= 0 (logits have an arbitrary shift per query) flips its sign
+  or, near 0, blows it up to any size (first 1, middle -0.01 gives -100), so neither a negative
+  nor a huge ratio would say anything about a sink. Use sink_score (first - middle, unchanged by
+  a shift) for logits; for probabilities middle > 0 whenever a middle frame gets any mass.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +40,11 @@ STAT_COLUMNS = [
     "middle",
     "last",
     "sink_score",
+    "first_last_diff",
     "first_middle_ratio",
     "spread_pct",
     "argmax_frame",
+    "min_frame",
     "uniform_multiple",
     "recent_mass",
     "entropy",
@@ -38,6 +60,10 @@ COLUMNS = [
     "head_class",
 ]
 GROUP_COLUMNS = ["checkpoint", "layer", "head", "step", "timestep", "pass_kind", "measure", "query"]
+# The `head` of the rows computed on the head-mean profile (the other rows hold integer heads).
+MEAN_HEAD = "mean"
+# Frame indices: integers, empty where no key frame is visible.
+FRAME_COLUMNS = ["argmax_frame", "min_frame"]
 
 
 def query_sets(blocks: np.ndarray, query: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -88,8 +114,9 @@ def last_block_profile(ds: xr.Dataset, measure: str, step: int) -> xr.DataArray:
 def head_statistics(
     ds: xr.Dataset, measure: str, step: int, query: str = "last_block"
 ) -> pd.DataFrame:
-    """The Contract 3 rows of one measure and step, indexed by head (for the first query set)."""
-    table = frame_statistics(ds, query)
+    """The per-head Contract 3 rows of one measure and step, indexed by head (for the first query
+    set); the `head = mean` row is left out."""
+    table = per_head(frame_statistics(ds, query))
     first_set = table["query"].iloc[0]
     rows = table[
         (table["measure"] == measure) & (table["step"] == int(step)) & (table["query"] == first_set)
@@ -105,7 +132,7 @@ def profile_statistics(
     values = profile[visible]
     frames = key_frames[visible]
     stats = dict.fromkeys(STAT_COLUMNS, np.nan)
-    stats["argmax_frame"] = pd.NA
+    stats.update(dict.fromkeys(FRAME_COLUMNS, pd.NA))
     if values.size == 0:
         return stats
     first, last = values[0], values[-1]
@@ -117,9 +144,12 @@ def profile_statistics(
             middle=middle,
             last=last,
             sink_score=first - middle,
-            first_middle_ratio=first / middle,
+            first_last_diff=first - last,
+            # Only a positive middle makes a ratio (module docstring); NaN middle stays NaN.
+            first_middle_ratio=first / middle if middle > 0 else np.nan,
             spread_pct=(values.max() - values.min()) / abs(mean) * 100.0,
             argmax_frame=int(frames[np.argmax(values)]),
+            min_frame=int(frames[np.argmin(values)]),
         )
     if measure == "prob_mass":
         # Every frame has the same number of tokens, so a frame's uniform share is 1 / frames.
@@ -166,7 +196,9 @@ def frame_statistics(
     sink_threshold: float = 0.3,
     recent_threshold: float = 0.5,
 ) -> pd.DataFrame:
-    """One row per (head, step, measure, query set) with the Contract 3 columns.
+    """One row per (head, step, measure, query set) with the Contract 3 columns, then one row
+    per (step, measure, query set) with head = `MEAN_HEAD`: the statistics of the head-mean
+    profile (module docstring), with entropy, importance and head_class empty.
 
     `importance` and `head_class` are defined on probabilities and left empty for logits.
     """
@@ -213,8 +245,82 @@ def frame_statistics(
                             **stats,
                         }
                     )
+    for s, step in enumerate(ds["step"].values):
+        for measure in MEASURES:
+            for label, set_frames, own_frames in sets:
+                rows_of_set = [query_index[int(f)] for f in set_frames]
+                profile = head_mean_profile(query_profile(measures[measure][s], rows_of_set))
+                stats = profile_statistics(profile, key_frames, own_frames, measure)
+                stats.update(entropy=np.nan, importance=np.nan, head_class="")
+                rows.append(
+                    {
+                        **provenance,
+                        "head": MEAN_HEAD,
+                        "step": int(step),
+                        "timestep": float(timesteps[s]),
+                        "pass_kind": pass_kinds[s],
+                        "measure": measure,
+                        "query": label,
+                        **stats,
+                    }
+                )
     table = pd.DataFrame(rows, columns=COLUMNS)
-    table["argmax_frame"] = table["argmax_frame"].astype("Int64")
+    for column in FRAME_COLUMNS:
+        table[column] = table[column].astype("Int64")
+    return table
+
+
+def head_mean_profile(profiles: np.ndarray) -> np.ndarray:
+    """The head-mean profile of per-head profiles [head, key_frame]: their mean per key frame,
+    NaN where some head cannot see it (the rule of `query_profile`)."""
+    return np.asarray(profiles, dtype=float).mean(axis=0)
+
+
+def is_mean_head(heads) -> np.ndarray:
+    """True for the rows of the head-mean profile (head = `MEAN_HEAD`), as built or read back."""
+    return np.asarray(pd.Series(heads).astype(str) == MEAN_HEAD)
+
+
+def per_head(table: pd.DataFrame) -> pd.DataFrame:
+    """The per-head rows of a statistics table, `head` as integers (head = mean rows left out)."""
+    rows = table[~is_mean_head(table["head"])]
+    return rows.astype({"head": "int64"})
+
+
+def parse_heads(heads: pd.Series) -> pd.Series:
+    """The `head` column with integer heads as int and `MEAN_HEAD` kept, whether it was built
+    or read back from CSV (where every value is text); anything else is an error."""
+
+    def parse(value):
+        if isinstance(value, str) and value == MEAN_HEAD:
+            return MEAN_HEAD
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = np.nan
+        if not np.isfinite(number) or number != int(number):
+            raise ValueError(f"head must be an integer or {MEAN_HEAD!r}, got {value!r}")
+        return int(number)
+
+    return heads.map(parse).astype(object)
+
+
+def read_stats(path: str | os.PathLike) -> pd.DataFrame:
+    """A statistics CSV (a run's layer, or summary.csv) as written: heads integers and
+    `MEAN_HEAD`, empty head_class empty text, empty numbers NaN; in a run's table the frame
+    indices are integers (in summary.csv their across-prompt means are not)."""
+    return _typed(pd.read_csv(path, keep_default_na=False, na_values=[""]))
+
+
+def _typed(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with the types of `frame_statistics` (heads parsed, frame indices Int64 unless it
+    holds across-prompt aggregates), whether built or read back from CSV."""
+    table = table.copy()
+    table["head"] = parse_heads(table["head"])
+    if "aggregate" not in table:
+        for column in FRAME_COLUMNS:
+            table[column] = table[column].astype("Float64").astype("Int64")
+    table["head_class"] = table["head_class"].fillna("").astype(str)
     return table
 
 
@@ -262,8 +368,17 @@ def write_run_stats(
 
 
 def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
-    """Stack per-run statistics (aggregate='run') and add across-prompt mean, std and count."""
-    return across_prompts(tables, GROUP_COLUMNS, STAT_COLUMNS, COLUMNS)
+    """Stack per-run statistics (aggregate='run') and add across-prompt mean, std and count, per
+    head and for the head = mean rows (each its own group: the across-prompt mean of the
+    head-mean rows is not mixed with the per-head rows)."""
+    return across_prompts(map(_summary_typed, tables), GROUP_COLUMNS, STAT_COLUMNS, COLUMNS)
+
+
+def _summary_typed(table: pd.DataFrame) -> pd.DataFrame:
+    """A run's table as `summarize` stacks it: heads parsed, every statistic plain float64 (the
+    frame indices sit beside their across-prompt means)."""
+    table = table.assign(head=parse_heads(table["head"]))
+    return table.astype(dict.fromkeys(FRAME_COLUMNS, "float64"))
 
 
 def across_prompts(
@@ -306,7 +421,7 @@ def write_summary(
     paths = list(csv_paths)
     if not paths:
         raise ValueError("write_summary needs at least one statistics CSV")
-    tables = [pd.read_csv(path, keep_default_na=False, na_values=[""]) for path in paths]
+    tables = [read_stats(path) for path in paths]
     summary = summarize(tables)
     _write_csv_atomically(summary, out_csv)
     if html_table is not None:
@@ -318,8 +433,10 @@ def write_summary(
 
 def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:
     """Gu et al.'s sink rate per (checkpoint, prompt, layer, step): the share of heads whose
-    importance of frame 0 is at least `threshold` (`is_sink`; the `importance` column)."""
-    heads = stats[stats["measure"] == "prob_mass"].drop_duplicates(
+    importance of frame 0 is at least `threshold` (`is_sink`; the `importance` column). A share
+    of heads: the head = mean rows are not heads and never count."""
+    heads = per_head(stats)
+    heads = heads[heads["measure"] == "prob_mass"].drop_duplicates(
         ["checkpoint", "prompt", "layer", "step", "head"]
     )
     keys = ["checkpoint", "prompt", "layer", "step", "timestep", "pass_kind"]

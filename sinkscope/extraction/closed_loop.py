@@ -92,10 +92,11 @@ def deviation_csv(
     prompt: str,
     policy: CachePolicy,
     frames_per_block: int,
+    independent_first_frame: bool = False,
 ) -> str:
     """The deviation table of one policy rollout against its reference (Contract 6)."""
     rel_l2, cosine = frame_deviation(latents, reference)
-    sizes = block_sizes(latents.shape[1], frames_per_block)
+    sizes = block_sizes(latents.shape[1], frames_per_block, independent_first_frame)
     blocks = [block for block, size in enumerate(sizes) for _ in range(size)]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -243,6 +244,7 @@ def closed_loop(
                     prompt=prompt_name,
                     policy=policy,
                     frames_per_block=geometry.frames_per_block,
+                    independent_first_frame=geometry.independent_first_frame,
                 )
                 write_text_atomically(deviation_path, table)
             save_latents(latents_path, latents, provenance)

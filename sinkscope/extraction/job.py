@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 from sinkscope import __version__
-from sinkscope.frames import attention_store_disk_bytes, token_store_disk_bytes
+from sinkscope.frames import (
+    attention_chunk_frames,
+    attention_store_disk_bytes,
+    token_store_disk_bytes,
+)
 from sinkscope.passes import resolve_passes
 from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
@@ -68,6 +72,8 @@ class RolloutPlan:
                 frames_per_block=video["frames_per_block"],
                 latent_height=video["latent_height"],
                 latent_width=video["latent_width"],
+                # Absent where settings skip the schema defaults: Self-Forcing's T2V default.
+                independent_first_frame=video.get("independent_first_frame", False),
             ),
             schedule=schedule,
             local_attn_size=sampler["local_attn_size"],
@@ -226,14 +232,15 @@ def plan_stores(
         )
         what = "the token stores (float16 logits of the visible tiles, stored raw)"
     else:
-        options["frames_per_block"] = geometry.frames_per_block
+        # key_mass chunks every block exactly ([1, 3, 3, ...]: one query frame per chunk).
+        options["frames_per_block"] = attention_chunk_frames(geometry.block_sizes)
         writer_class = AttentionStoreWriter
         store_bytes = attention_store_disk_bytes(
             num_passes=len(plan.passes),
             num_heads=cfg.num_heads,
             num_frames=geometry.num_frames,
             frame_seq_length=frame_seq_length,
-            frames_per_block=geometry.frames_per_block,
+            frames_per_block=options["frames_per_block"],
             block_size=block_size,
         )
         what = "the attention stores (float32 key mass, stored raw)"

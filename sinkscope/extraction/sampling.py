@@ -1,6 +1,7 @@
 """Flow-matching schedule and the block-wise autoregressive rollout of Self-Forcing / CausVid.
 
-Per block of `frames_per_block` latent frames: one model call per denoising step (x0 = x_t - sigma
+Per block of `frames_per_block` latent frames (after a lone first frame with
+`independent_first_frame`): one model call per denoising step (x0 = x_t - sigma
 * v, then re-noise with fresh noise to the next step), then a cache-update pass on the clean x0 at
 timestep 0 that overwrites the block's noisy keys and values in the KV cache.
 """
@@ -84,17 +85,19 @@ CAUSVID = Schedule(steps=(1000, 757, 522), shift=8.0, warp=False)
 
 @dataclass(frozen=True)
 class Geometry:
-    """Latent video geometry of a rollout."""
+    """Latent video geometry of a rollout: with `independent_first_frame` latent frame 0 is a
+    block of its own before the blocks of `frames_per_block` (Self-Forcing's [1, 3, 3, ...])."""
 
     num_frames: int = 21
     frames_per_block: int = 3
     latent_height: int = 60
     latent_width: int = 104
     channels: int = 16
+    independent_first_frame: bool = False
 
     @property
     def block_sizes(self) -> list[int]:
-        return block_sizes(self.num_frames, self.frames_per_block)
+        return block_sizes(self.num_frames, self.frames_per_block, self.independent_first_frame)
 
 
 # Called before each model call: (block index, pass index, pass kind, timestep).

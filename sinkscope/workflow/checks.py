@@ -29,6 +29,7 @@ from .entries import (
     frame_layers,
     is_demo_checkpoint,
     is_demo_encoder,
+    kept_token_layers,
     model_config,
     prompt_embeddings,
     prompt_text,
@@ -52,7 +53,10 @@ INTEGER_KEYS = (
     "figures.heads.*.*",
     "figures.step",
     "seed",
-    "video.*",
+    "video.num_frames",
+    "video.frames_per_block",
+    "video.latent_height",
+    "video.latent_width",
     "sampler.local_attn_size",
     "sampler.sink_size",
     "checkpoints.*.sampler.local_attn_size",
@@ -148,6 +152,7 @@ def check_config(config: dict) -> None:
     """Raise ConfigError for problems the schema cannot see. Paths are relative to the workdir."""
     _check_names(config)
     _check_integers(config)
+    _check_block_layout(config)
     _check_prompts(config)
     _check_checkpoint_files(config)
     models = {name: model_config(config, name) for name in config["checkpoints"]}
@@ -194,12 +199,6 @@ def check_config(config: dict) -> None:
             f"policies.budget={policies['budget']} is not one of policies.budgets "
             f"{policies['budgets']}"
         )
-    video = config["video"]
-    if video["frames_per_block"] > video["num_frames"]:
-        raise ConfigError(
-            f"video.frames_per_block={video['frames_per_block']} exceeds "
-            f"video.num_frames={video['num_frames']}"
-        )
     pooled_only = [
         layer
         for layer, _ in config["figures"]["heads"]
@@ -217,6 +216,52 @@ def check_config(config: dict) -> None:
             "passes are captured (capture.passes)"
         )
     _check_closed_loop(config)
+    _check_export(config)
+
+
+def _check_export(config: dict) -> None:
+    """The exports for the seed notebooks (`export`): its layers have kept token stores with
+    logits (the token-sized layouts read them), its step is a captured pass, and its measure has
+    values in every frame layer."""
+    export = config.get("export", {})
+    for path in ("export.layers.*", "export.step"):
+        for key, value in _values_at(config, path.split("."), ""):
+            if isinstance(value, float | bool):
+                raise ConfigError(f"{key}: {value!r} must be an integer (no decimal point)")
+    layers = export.get("layers") or []
+    missing = [layer for layer in layers if layer not in config["layers"]]
+    if missing:
+        raise ConfigError(
+            f"export.layers: {missing} have no token store, which the token-sized exports read; "
+            f"add them to layers {config['layers']} or drop them from export.layers"
+        )
+    if layers and not kept_token_layers(config):
+        if not config["capture"]["tokens"]:
+            setting, why = "tokens", "stores only frame-level mean logits"
+        else:
+            setting, why = "keep_tokens", "deletes each token store once it is reduced"
+        raise ConfigError(
+            f"export.layers: {sorted(layers)} have no token logits to export: capture.{setting}: "
+            f"false {why}; capture.{setting}: true, or export.layers: []"
+        )
+    passes = len(_capture_passes(config))
+    step = export.get("step", 0)
+    if step >= passes:
+        raise ConfigError(
+            f"export.step={step} but only {passes} passes are captured (capture.passes)"
+        )
+    surveyed = survey_layers(config)
+    pooled_only = [
+        layer
+        for layer in frame_layers(config)
+        if layer not in surveyed and not config["capture"]["tokens"]
+    ]
+    if pooled_only and export.get("measure", "logits") == "probabilities":
+        raise ConfigError(
+            "export.measure: probabilities need the token logits or a survey; with "
+            f"capture.tokens: false layers {pooled_only} have only frame-level mean logits "
+            "(export.measure: logits, or survey them: capture.survey)"
+        )
 
 
 def _check_closed_loop(config: dict) -> None:
@@ -259,6 +304,7 @@ def _check_closed_loop(config: dict) -> None:
             f"closed_loop.num_frames={loop['num_frames']} is less than one block "
             f"(video.frames_per_block={own})"
         )
+    _layout(config, loop["num_frames"], "closed_loop.num_frames")
     for checkpoint in {checkpoint for checkpoint, _ in closed_loop_runs(config)}:
         num_layers = model_config(config, checkpoint).num_layers
         bad = [layer for layer in loop["survey"] if layer >= num_layers]
@@ -267,6 +313,32 @@ def _check_closed_loop(config: dict) -> None:
                 f"closed_loop.survey: {bad} out of range for checkpoint '{checkpoint}' "
                 f"with {num_layers} layers (0-based)"
             )
+
+
+def _layout(config: dict, num_frames: int, key: str) -> list[int]:
+    """The block sizes of a rollout of `num_frames` (named `key`) in the video's layout."""
+    video = config["video"]
+    try:
+        return block_sizes(
+            num_frames,
+            video["frames_per_block"],
+            video["independent_first_frame"],
+            frames_key=key,
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_block_layout(config: dict) -> None:
+    """video.num_frames is whole blocks of video.frames_per_block (after a lone first frame
+    with video.independent_first_frame), as Self-Forcing requires: no shorter last block."""
+    video = config["video"]
+    if video["frames_per_block"] > video["num_frames"]:
+        raise ConfigError(
+            f"video.frames_per_block={video['frames_per_block']} exceeds "
+            f"video.num_frames={video['num_frames']}"
+        )
+    _layout(config, video["num_frames"], "video.num_frames")
 
 
 def _check_checkpoint_files(config: dict) -> None:
@@ -373,8 +445,7 @@ def _check_sampler(config: dict, name: str) -> None:
         raise ConfigError(
             f"{key}.steps: warped steps must be integers 1..1000, got {sampler['steps']}"
         )
-    video = config["video"]
-    sizes = block_sizes(video["num_frames"], video["frames_per_block"])
+    sizes = _layout(config, config["video"]["num_frames"], "video.num_frames")
     window = sampler["local_attn_size"]
     if window == -1 and sampler["sink_size"]:
         raise ConfigError(f"{key}.sink_size needs a window (local_attn_size != -1)")

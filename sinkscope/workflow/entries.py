@@ -155,3 +155,31 @@ def uses_text_encoder(config: dict) -> bool:
 def is_demo_encoder(encoder: dict) -> bool:
     """Whether text_encoder.path is the one rule make_demo_text_encoder writes."""
     return Path(encoder["path"]).as_posix().rstrip("/") == demo_text_encoder_dir()
+
+
+# The token-sized exports of one run in results/export/{checkpoint}/{prompt}/ (rule export_run),
+# by the name the rule and sinkscope.exports.notebooks give them; beside them layer{L}.pt.
+EXPORT_TOKEN_FILES = {
+    "figure4": "attention_cache_figure4.pt",
+    "logit_cache": "attention_cache_wan_base.pt",
+    "shapes_cache": "attention_cache.pt",
+}
+
+
+def kept_token_layers(config: dict) -> list[int]:
+    """Token layers whose token store holds logits and stays on disk after its reduction."""
+    capture = config.get("capture", {})
+    if not capture.get("keep_tokens", True) or not capture.get("tokens", True):
+        return []
+    return token_layers(config)
+
+
+def export_layers(config: dict) -> list[int]:
+    """Layers of the token-sized exports (`export.layers`): by default every kept token store."""
+    layers = config.get("export", {}).get("layers")
+    return kept_token_layers(config) if layers is None else sorted(layers)
+
+
+def export_token_files(config: dict) -> dict[str, str]:
+    """EXPORT_TOKEN_FILES, or none when no layer is exported."""
+    return dict(EXPORT_TOKEN_FILES) if export_layers(config) else {}

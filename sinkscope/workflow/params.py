@@ -70,6 +70,15 @@ def checkpoint_content(config: dict, name: str, cache: str | Path = DIGEST_CACHE
         raise ConfigError(f"checkpoints.{name}: {err}") from None
 
 
+def video_settings(config: dict) -> dict:
+    """The `video` section as jobs get it: `independent_first_frame` only when set, so the stores
+    of runs from before the option existed are not rerun for a default that changes nothing."""
+    video = dict(config["video"])
+    if not video.get("independent_first_frame", False):
+        video.pop("independent_first_frame", None)
+    return video
+
+
 def extraction_settings(
     config: dict, name: str, cache: str | Path = DIGEST_CACHE, store: str = "tokens"
 ) -> dict:
@@ -89,7 +98,7 @@ def extraction_settings(
                 **checkpoint_content(config, name, cache),
             },
             "sampler": sampler_settings(config, name),
-            "video": config["video"],
+            "video": video_settings(config),
             "capture": {k: config["capture"][k] for k in captured},
             "seed": config["seed"],
             "device": config["device"],

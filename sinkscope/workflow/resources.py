@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from sinkscope.frames import attention_store_bytes, block_sizes, token_store_bytes
+from sinkscope.frames import attention_store_bytes, block_sizes, export_bytes, token_store_bytes
 from sinkscope.passes import resolve_passes
 
 from .entries import model_config, sampler_settings, survey_layers
@@ -50,7 +50,9 @@ def layer_store_bytes(config: dict, name: str) -> int:
         num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
-        sizes=block_sizes(video["num_frames"], video["frames_per_block"]),
+        sizes=block_sizes(
+            video["num_frames"], video["frames_per_block"], video["independent_first_frame"]
+        ),
         local_attn_size=sampler["local_attn_size"],
         sink_size=sampler["sink_size"],
     )
@@ -95,6 +97,24 @@ def closed_loop_runtime(config: dict, name: str) -> int:
     captured layers, at most a survey's time per frame."""
     frames = config["closed_loop"]["num_frames"] / config["video"]["num_frames"]
     return 2 * EXTRACT_SETUP_MINUTES + math.ceil(frames * survey_runtime(config, name))
+
+
+def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:
+    """Minutes: the token-sized exports of `layers` (scratch, then the file) at WRITE_MB_PER_S;
+    one head's softmax over the last block takes about a second."""
+    model = model_config(config, name)
+    video = config["video"]
+    sizes = block_sizes(
+        video["num_frames"], video["frames_per_block"], video["independent_first_frame"]
+    )
+    per_layer = export_bytes(
+        num_heads=model.num_heads,
+        frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
+        num_frames=video["num_frames"],
+        last_block_frames=sizes[-1],
+    )
+    token_mb = sum(v for k, v in per_layer.items() if k != "frames") * len(layers) / 1e6
+    return REDUCE_SETUP_MINUTES + math.ceil(2 * token_mb / WRITE_MB_PER_S / 60)
 
 
 def reduce_runtime(config: dict, name: str) -> int:
