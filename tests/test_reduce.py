@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import xarray as xr
@@ -396,3 +398,22 @@ def test_token_frame_map_is_checked(tmp_path):
     zarr.consolidate_metadata(store)
     with pytest.raises(ValueError, match="key_frame"):
         reduce_token_store(store, tmp_path / "out.zarr")
+
+
+def test_reduction_logs_its_progress_with_an_estimate(tmp_path, monkeypatch, caplog):
+    """Every `every` seconds (here: every task) a line with tasks done and the time left."""
+    import logging
+
+    from sinkscope.analysis import reduce
+
+    monkeypatch.setattr(reduce, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(reduce.ReduceProgress.__init__, "__defaults__", (0.0,))
+    store = _small_store(tmp_path)
+    with caplog.at_level(logging.INFO, logger="sinkscope.analysis.reduce"):
+        reduce_token_store(store, tmp_path / "out.zarr", threads=1)
+    lines = [r.getMessage() for r in caplog.records if " tasks (" in r.getMessage()]
+    assert len(lines) >= 2 and all("s left" in line and str(store) in line for line in lines)
+    counts = [re.search(r": (\d+)/(\d+) tasks", line).groups() for line in lines]
+    done = [int(d) for d, _ in counts]
+    total = int(counts[-1][1])
+    assert done == sorted(done) and done[-1] == total > 1 and "(100 %)" in lines[-1]

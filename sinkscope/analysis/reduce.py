@@ -25,6 +25,7 @@ import dask.array as da
 import numpy as np
 import xarray as xr
 import zarr
+from dask.callbacks import Callback
 
 from sinkscope.frames import block_of_frame, token_frames
 from sinkscope.storage import (
@@ -37,6 +38,45 @@ from sinkscope.storage import (
 )
 
 log = logging.getLogger(__name__)
+# Seconds between progress lines of a reduction (one more when it finishes).
+PROGRESS_SECONDS = 30.0
+
+
+class ReduceProgress(Callback):
+    """Logs a dask reduction's progress: tasks done, elapsed time and an estimate of what is
+    left, at most every `every` seconds and once at the end (a 70 GB token store takes minutes)."""
+
+    def __init__(self, what: str, every: float = PROGRESS_SECONDS):
+        super().__init__()
+        self.what, self.every = what, every
+
+    def _start_state(self, dsk, state) -> None:
+        self.started = self.logged = time.perf_counter()
+        self.total = sum(len(state[key]) for key in ("ready", "waiting", "running", "finished"))
+
+    def _posttask(self, key, result, dsk, state, worker_id) -> None:
+        now = time.perf_counter()
+        if now - self.logged >= self.every:
+            self.logged = now
+            self._log(len(state["finished"]), now)
+
+    def _finish(self, dsk, state, errored) -> None:
+        if not errored:
+            self._log(self.total, time.perf_counter())
+
+    def _log(self, done: int, now: float) -> None:
+        elapsed = now - self.started
+        left = elapsed / done * (self.total - done) if done else float("nan")
+        log.info(
+            "%s: %d/%d tasks (%.0f %%), %.1f s, about %.0f s left",
+            self.what,
+            done,
+            self.total,
+            100 * done / max(self.total, 1),
+            elapsed,
+            left,
+        )
+
 
 LOGIT_DIMS = ("step", "head", "query_token", "key_token")
 KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
@@ -589,7 +629,10 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
         key_token=("key_frame", "token")
     )
     try:
-        with dask.config.set(scheduler="threads", num_workers=threads or os.cpu_count()):
+        with (
+            dask.config.set(scheduler="threads", num_workers=threads or os.cpu_count()),
+            ReduceProgress(f"reducing {path}"),
+        ):
             prob_mass = per_frame.sum("token", skipna=False).values.astype(np.float32)
     except Exception as err:
         array = _open_array(path, "key_mass")
@@ -706,13 +749,14 @@ def _reduce_logits(
         tokens_per_frame=tokens_per_frame,
         num_frames=num_frames,
     )
-    return dask.compute(
-        reduced[..., :num_frames],
-        reduced[..., num_frames : 2 * num_frames],
-        reduced[..., 2 * num_frames],
-        scheduler="threads",
-        num_workers=threads or os.cpu_count(),
-    )
+    with ReduceProgress(f"reducing {path}"):
+        return dask.compute(
+            reduced[..., :num_frames],
+            reduced[..., num_frames : 2 * num_frames],
+            reduced[..., 2 * num_frames],
+            scheduler="threads",
+            num_workers=threads or os.cpu_count(),
+        )
 
 
 def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None:
