@@ -19,6 +19,13 @@ rule closed_loop_reference:
         gpu=GPU_PER_JOB,
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
         runtime=lambda wildcards: closed_loop_runtime(config, wildcards.checkpoint),
+        disk_mb=lambda wildcards: job_disk_mb(
+            config,
+            wildcards.checkpoint,
+            "closed_loop",
+            layers=len(CLOSED_LOOP_SURVEY),
+            frames=config["closed_loop"]["num_frames"],
+        ),
     params:
         layers=CLOSED_LOOP_SURVEY,
         settings=lambda wildcards: closed_loop_settings(

@@ -1,11 +1,13 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
 import re
+import sys
 
 from sinkscope.analysis.figures import closed_loop_figures, compare_figures
 from sinkscope.analysis.figures import policy_figures, run_figures
 from sinkscope.analysis.figures import survey_compare_figures
 from sinkscope.analysis.figures import survey_figures as survey_figure_files
 from sinkscope.workflow.checks import check_config
+from sinkscope.workflow.plan import format_plan, job_disk_mb
 from sinkscope.workflow.entries import (
     ConfigError,
     CLOSED_LOOP_FRAME_POLICIES,
@@ -94,6 +96,10 @@ CLOSED_LOOP_FIGURES = (
 
 # What each extraction job claims of the `gpu` resource: nothing for CPU jobs on this machine.
 GPU_PER_JOB = extraction_gpus(config, workflow.local_exec)
+
+# Before any job runs (and with -n): what the run will write and where; once, not in cluster jobs.
+if not (workflow.remote_exec or workflow.subprocess_exec):
+    print(format_plan(config), file=sys.stderr)
 
 KEEP_TOKENS = config["capture"]["keep_tokens"]
 

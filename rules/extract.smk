@@ -18,6 +18,7 @@ rule extract:
         gpu=GPU_PER_JOB,
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
         runtime=lambda wildcards: extract_runtime(config, wildcards.checkpoint),
+        disk_mb=lambda wildcards: job_disk_mb(config, wildcards.checkpoint, "extract"),
     params:
         settings=lambda wildcards: extraction_settings(config, wildcards.checkpoint),
     script:
@@ -46,6 +47,9 @@ if SURVEY_LAYERS:
             gpu=GPU_PER_JOB,
             mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
             runtime=lambda wildcards: survey_runtime(config, wildcards.checkpoint),
+            disk_mb=lambda wildcards: job_disk_mb(
+                config, wildcards.checkpoint, "survey", layers=len(SURVEY_LAYERS)
+            ),
         params:
             layers=SURVEY_LAYERS,
             store="attention",

@@ -1,0 +1,178 @@
+"""What a run will write, before it writes it: bytes per store family, the largest job, and the
+free space where they go (Snakemake prints `format_plan` when it parses the workflow, so
+`snakemake -n` shows it before any job runs). Upper bounds on disk, from the same functions the
+jobs claim their space with. Parse-time: no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sinkscope.frames import (
+    attention_store_disk_bytes,
+    block_sizes,
+    export_bytes,
+    token_store_disk_bytes,
+)
+from sinkscope.passes import resolve_passes
+
+from .entries import (
+    CLOSED_LOOP_FRAME_POLICIES,
+    closed_loop_policies,
+    closed_loop_runs,
+    export_layers,
+    model_config,
+    sampler_settings,
+    survey_layers,
+    token_layers,
+)
+
+LATENT_CHANNELS = 16
+
+
+@dataclass
+class Family:
+    """One kind of output: where it goes, and the bytes each of its jobs writes."""
+
+    name: str
+    folder: str
+    jobs: dict[str, int] = field(default_factory=dict)  # job label -> bytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.jobs.values())
+
+
+def _geometry(config: dict, name: str, num_frames: int | None = None):
+    model = model_config(config, name)
+    video = config["video"]
+    frames = num_frames or video["num_frames"]
+    sizes = block_sizes(
+        frames, video["frames_per_block"], video.get("independent_first_frame", False)
+    )
+    tokens = model.tokens_per_frame(video["latent_height"], video["latent_width"])
+    return model, frames, sizes, tokens
+
+
+def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames=None) -> int:
+    """Upper bound of what one job of checkpoint `name` writes: `extract` (one token store),
+    `survey` (`layers` attention stores), `closed_loop` (latents and `layers` attention stores
+    of a rollout of `frames` latent frames)."""
+    model, num_frames, sizes, tokens = _geometry(config, name, frames)
+    sampler = sampler_settings(config, name)
+    passes = len(resolve_passes(config["capture"]["passes"], len(sampler["steps"])))
+    attention = attention_store_disk_bytes(
+        num_passes=passes,
+        num_heads=model.num_heads,
+        num_frames=num_frames,
+        frame_seq_length=tokens,
+        frames_per_block=config["video"]["frames_per_block"],
+    )
+    if job == "extract":
+        if not config["capture"]["tokens"]:
+            return 0
+        return token_store_disk_bytes(
+            num_passes=passes,
+            num_heads=model.num_heads,
+            frame_seq_length=tokens,
+            sizes=sizes,
+            local_attn_size=sampler["local_attn_size"],
+            sink_size=sampler["sink_size"],
+        )
+    if job == "survey":
+        return layers * attention
+    if job == "closed_loop":
+        video = config["video"]
+        latents = LATENT_CHANNELS * num_frames * video["latent_height"] * video["latent_width"] * 4
+        return latents + layers * attention
+    raise ValueError(f"unknown job kind {job!r}")
+
+
+def job_disk_mb(config: dict, name: str, job: str, **kwargs) -> int:
+    """`job_disk_bytes` in MB, rounded up: the rules' `disk_mb` resource."""
+    return -(-job_disk_bytes(config, name, job, **kwargs) // 1_000_000)
+
+
+def storage_plan(config: dict) -> list[Family]:
+    """The store families the default target writes (token stores, attention stores, the
+    closed loop) and what `snakemake export` would add."""
+    checkpoints, prompts = list(config["checkpoints"]), list(config["prompts"])
+    tokens = Family("token stores", "results/logits")
+    for c in checkpoints:
+        per_job = job_disk_bytes(config, c, "extract")
+        for p in prompts:
+            for layer in token_layers(config):
+                tokens.jobs[f"extract {c}/{p}/layer{layer}"] = per_job
+    surveyed = survey_layers(config)
+    attention = Family("attention stores", "results/attention")
+    for c in checkpoints if surveyed else []:
+        per_job = job_disk_bytes(config, c, "survey", layers=len(surveyed))
+        for p in prompts:
+            attention.jobs[f"survey {c}/{p}"] = per_job
+    loop = Family("closed loop", "results/closed_loop")
+    policies = closed_loop_policies(config)
+    for c, p in closed_loop_runs(config):
+        frames = config["closed_loop"]["num_frames"]
+        for policy in ["full", *policies]:
+            captured = policy in ("full", *CLOSED_LOOP_FRAME_POLICIES)
+            layers = len(config["closed_loop"]["survey"]) if captured else 0
+            loop.jobs[f"closed_loop {c}/{p}/{policy}"] = job_disk_bytes(
+                config, c, "closed_loop", layers=layers, frames=frames
+            )
+    exports = Family("exports (snakemake export only)", "results/export")
+    exported = export_layers(config)
+    for c in checkpoints:
+        model, num_frames, sizes, tokens_per_frame = _geometry(config, c)
+        per_layer = export_bytes(
+            num_heads=model.num_heads,
+            frame_seq_length=tokens_per_frame,
+            num_frames=num_frames,
+            last_block_frames=sizes[-1],
+        )
+        for p in prompts:
+            exports.jobs[f"export_run {c}/{p}"] = len(exported) * (
+                per_layer["figure4"] + 2 * per_layer["logit_cache"]
+            ) + per_layer["frames"] * len(set(token_layers(config)) | set(surveyed))
+    return [family for family in (tokens, attention, loop, exports) if family.jobs]
+
+
+def _free_bytes(folder: str) -> tuple[Path, int]:
+    """Free bytes on the filesystem of `folder` (its nearest existing parent)."""
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    stat = os.statvfs(path)
+    return path, stat.f_bavail * stat.f_frsize
+
+
+def _size(value: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value} B"
+
+
+def format_plan(config: dict) -> str:
+    """The plan as the lines Snakemake prints before any job runs."""
+    families = storage_plan(config)
+    lines = ["sinkscope plan (upper bounds on disk, whatever is already written):"]
+    default = [f for f in families if not f.name.startswith("exports")]
+    for family in families:
+        per_job = max(family.jobs.values())
+        lines.append(
+            f"  {family.name:<32} {len(family.jobs):>4} jobs, up to {_size(per_job)} each, "
+            f"{_size(family.total)} in {family.folder}/"
+        )
+    if default:
+        largest = max(((job, b) for f in default for job, b in f.jobs.items()), key=lambda x: x[1])
+        lines.append(f"  largest job: {largest[0]}, {_size(largest[1])}")
+        total = sum(f.total for f in default)
+        where, free = _free_bytes("results")
+        verdict = "fits" if total <= free else "DOES NOT FIT: free space or fewer layers/passes"
+        lines.append(
+            f"  default target: {_size(total)}; {_size(free)} free on {where} ({verdict}); each "
+            "job claims its share before writing, so jobs running side by side cannot overbook"
+        )
+    return "\n".join(lines)
