@@ -44,7 +44,7 @@ from sinkscope.workflow.resources import (
 try:
     check_config(config)
 except ConfigError as err:
-    raise WorkflowError(f"config.yaml: {err}") from None
+    raise WorkflowError(f"config: {err}") from None
 
 CHECKPOINTS = list(config["checkpoints"])
 PROMPTS = list(config["prompts"])

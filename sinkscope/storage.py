@@ -18,7 +18,7 @@ import socket
 import time
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,54 @@ ZARR_TUNING = {"codec_pipeline.batch_size": 32}
 # The group attribute that holds the crc32 of all the others (`attributes_checksum`): zarr checks
 # chunks, not metadata, and a changed attribute (layer, checkpoint) would otherwise pass unseen.
 ATTRIBUTES_CHECKSUM = "attributes_crc32"
+# The group attribute that names (space-separated, sorted) the attributes stored as JSON text:
+# netCDF attributes hold only text, numbers and flat lists of numbers, and netCDF-3 no 64-bit
+# integer, so mappings (`config`, `gpu`), booleans (`complete`), None, other lists and integers
+# beyond int32 (the checksum) are written as JSON (`encode_attrs`) and a reader gets them back
+# with `decoded_attrs`.
+JSON_ATTRIBUTES = "json_attributes"
+_INT32 = (-(2**31), 2**31 - 1)
+# long_name and units of every variable and coordinate of the stores (Contracts 1, 2 and 4),
+# written beside each array (xarray shows them as the variable's attrs; docs/DATA.md lists them).
+# Probabilities are dimensionless ("1"), entropies in nats, logits q.k/sqrt(head_dim) in "logit"
+# (a dimensionless pre-softmax score), indices and labels "1".
+VARIABLE_ATTRS = {
+    "logits": {
+        "long_name": "pre-softmax attention logit q.k/sqrt(head_dim)",
+        "units": "logit",
+    },
+    "logit_mean_pooled": {
+        "long_name": "mean logit over a frame pair's token pairs, from mean-pooled q and k",
+        "units": "logit",
+    },
+    "key_mass": {
+        "long_name": "attention probability of the key token, mean over the query frame's tokens",
+        "units": "1",
+    },
+    "logit_mean": {
+        "long_name": "mean logit over the visible token pairs of the query and key frame",
+        "units": "logit",
+    },
+    "prob_mass": {
+        "long_name": "attention probability mass on the key frame, mean over the query frame's "
+        "tokens",
+        "units": "1",
+    },
+    "entropy": {
+        "long_name": "softmax entropy of the attention rows, mean over the query frame's tokens",
+        "units": "nats",
+    },
+    "step": {"long_name": "captured pass of a block, in pass order (0-based)", "units": "1"},
+    "head": {"long_name": "attention head (0-based)", "units": "1"},
+    "timestep": {"long_name": "diffusion timestep the model received (warped)", "units": "1"},
+    "pass_kind": {"long_name": "kind of pass: denoise or cache (the cache update)", "units": "1"},
+    "query_frame": {"long_name": "latent frame of the query (0-based)", "units": "1"},
+    "key_frame": {"long_name": "latent frame of the key (0-based)", "units": "1"},
+    "block": {"long_name": "block of the query frame (0-based)", "units": "1"},
+    "checkpoint": {"long_name": "checkpoint name", "units": "1"},
+    "prompt": {"long_name": "prompt name", "units": "1"},
+    "layer": {"long_name": "transformer layer (0-based)", "units": "1"},
+}
 
 
 def tune_zarr() -> None:
@@ -52,6 +100,52 @@ def checked_compressors():
     return (ZstdCodec(level=0), Crc32cCodec())
 
 
+def _netcdf_native(value) -> bool:
+    """Whether netCDF (-3 too) can hold `value` as an attribute as it is: text, a number (not a
+    boolean; an integer within int32) or a non-empty flat list of such numbers."""
+    import numpy as np
+
+    def number(item) -> bool:
+        if isinstance(item, bool | np.bool_):
+            return False
+        if isinstance(item, int | np.integer):
+            return _INT32[0] <= item <= _INT32[1]
+        return isinstance(item, float | np.floating)
+
+    if isinstance(value, str) or number(value):
+        return True
+    return isinstance(value, list | tuple) and len(value) > 0 and all(map(number, value))
+
+
+def encode_attrs(attrs: Mapping) -> dict:
+    """`attrs` as netCDF can hold them: values that are not text, numbers or flat lists of numbers
+    (mappings, booleans, None, other lists) become JSON text, named in JSON_ATTRIBUTES. Already
+    encoded attributes are decoded first, so encoding twice changes nothing."""
+    encoded, names = {}, []
+    for key, value in decoded_attrs(attrs).items():
+        if _netcdf_native(value):
+            encoded[key] = value
+        else:
+            encoded[key] = json.dumps(value, ensure_ascii=False)
+            names.append(key)
+    if names:
+        encoded[JSON_ATTRIBUTES] = " ".join(sorted(names))
+    return encoded
+
+
+def decoded_attrs(attrs) -> dict:
+    """The attributes of a store or frame dataset as they were given to `encode_attrs`: those
+    JSON_ATTRIBUTES names parsed back from JSON (`config` and `gpu` as dicts, `complete` as a
+    bool), the rest as stored. Takes a mapping or anything with `.attrs` (an xarray Dataset, a
+    zarr group); attributes written without JSON_ATTRIBUTES come back unchanged."""
+    attrs = dict(getattr(attrs, "attrs", attrs))
+    names = attrs.pop(JSON_ATTRIBUTES, "")
+    for name in str(names).split():
+        if isinstance(attrs.get(name), str):
+            attrs[name] = json.loads(attrs[name])
+    return attrs
+
+
 def attributes_checksum(attrs: dict) -> int:
     """zlib.crc32 of the attributes but ATTRIBUTES_CHECKSUM, as UTF-8 JSON with sorted keys and
     no spaces."""
@@ -62,16 +156,22 @@ def attributes_checksum(attrs: dict) -> int:
 
 def mark_complete(group_path: str | os.PathLike, attrs: dict | None = None) -> None:
     """The last write of a zarr store (token store, frame dataset) before its rename: `attrs`
-    and `complete: true` into the group's attributes, their checksum, consolidated metadata.
+    and `complete: true` into the group's attributes (netCDF-safe: `encode_attrs`), their
+    checksum, consolidated metadata.
     Readers refuse a store without the mark, so a killed write never passes for a whole one."""
     import zarr
 
     path = str(group_path)
     group = zarr.open_group(path, mode="r+")
-    group.attrs.update({**(attrs or {}), "complete": True})
+    current = decoded_attrs(group.attrs.asdict())
+    current.pop(ATTRIBUTES_CHECKSUM, None)
+    encoded = encode_attrs({**current, **(attrs or {}), "complete": True})
+    # The checksum, an unsigned 32-bit integer, is always JSON text: netCDF-3 cannot hold it.
+    names = {*encoded.get(JSON_ATTRIBUTES, "").split(), ATTRIBUTES_CHECKSUM}
+    group.attrs.put({**encoded, JSON_ATTRIBUTES: " ".join(sorted(names))})
     # The checksum of the attributes as a reader gets them back from zarr.json.
     written = zarr.open_group(path, mode="r").attrs.asdict()
-    group.attrs[ATTRIBUTES_CHECKSUM] = attributes_checksum(written)
+    group.attrs[ATTRIBUTES_CHECKSUM] = json.dumps(attributes_checksum(written))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zarr notes that consolidated metadata is not in v3
         zarr.consolidate_metadata(path)

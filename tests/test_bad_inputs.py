@@ -124,8 +124,10 @@ def test_a_generator_entry_that_is_not_a_state_dict(tmp_path):
 
 def _checkpoint_folder(root, **config) -> str:
     root.mkdir(parents=True)
-    (root / CONFIG_NAME).write_text(json.dumps({"_class_name": "WanModel", **config}))
-    (root / WEIGHTS_NAME).write_bytes(b"")  # only its existence is checked while parsing
+    values = {"_class_name": "WanModel", "num_layers": 30, **config}
+    (root / CONFIG_NAME).write_text(json.dumps(values))
+    # A safetensors file with no tensors: parsing reads its header only.
+    (root / WEIGHTS_NAME).write_bytes((2).to_bytes(8, "little") + b"{}")
     return str(root)
 
 

@@ -16,6 +16,7 @@ from sinkscope.extraction.cache_policies import CachePolicy, DeepSinkKVCache, To
 from sinkscope.extraction.closed_loop import closed_loop, load_latents
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.sampling import Geometry, rollout
+from sinkscope.storage import decoded_attrs
 from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
 
 from .conftest import make_tiny_model
@@ -306,7 +307,7 @@ def test_attention_captured_in_a_closed_loop_is_the_survey_of_the_same_rollout(t
         survey = xr.open_zarr(tmp_path / f"survey{layer}.zarr")
         for name in ("key_mass", "entropy", "logit_mean_pooled"):
             np.testing.assert_array_equal(loop[name].values, survey[name].values)
-        assert loop.attrs["policy"] == {"name": "full"}
+        assert decoded_attrs(loop)["policy"] == {"name": "full"}
 
     closed_loop(
         **common,

@@ -6,6 +6,7 @@ import pytest
 import torch
 import xarray as xr
 
+from sinkscope.storage import decoded_attrs
 from sinkscope.wan.checkpoint import save_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
@@ -100,7 +101,8 @@ def test_self_forcing_example_runs_end_to_end(example_root):
     results = example_root / "results"
     store = xr.open_zarr(results / "logits/self_forcing_dmd/eagle/layer4.zarr")
     assert store.attrs["checkpoint"] == "self_forcing_dmd" and store.attrs["num_heads"] == 10
-    assert store.attrs["config"]["checkpoint"]["generator"] == "checkpoints/self_forcing_dmd.pt"
+    config = decoded_attrs(store)["config"]
+    assert config["checkpoint"]["generator"] == "checkpoints/self_forcing_dmd.pt"
     frames = xr.open_zarr(results / "frames/self_forcing_dmd/eagle/layer4.zarr")
     assert frames.sizes == {"step": 5, "head": 10, "query_frame": 6, "key_frame": 6}
     svg = (results / "figures/self_forcing_dmd/eagle/figure4.svg").read_text()

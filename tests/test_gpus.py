@@ -101,9 +101,11 @@ def extraction_runs(workdir, stores) -> list[tuple]:
 
     import xarray as xr
 
+    from sinkscope.storage import decoded_attrs
+
     runs = []
     for store in stores:
-        attrs = xr.open_zarr(workdir / store).attrs
+        attrs = decoded_attrs(xr.open_zarr(workdir / store))
         gpu = attrs["gpu"]
         assert gpu["claimed_by"] == "lock" and gpu["fake"] is True
         runs.append(

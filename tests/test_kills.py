@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sinkscope.storage import decoded_attrs
+
 from .workflowtools import demo_copy, snakemake
 
 pytestmark = pytest.mark.workflow
@@ -105,6 +107,6 @@ def test_a_killed_survey_reruns_to_the_same_attention(demo_run, tmp_path, point)
         name = f"attention/demo_a/eagle/layer{layer}.zarr"
         rerun = xr.open_zarr(workdir / "results" / name)
         clean = xr.open_zarr(demo_run / "results" / name)
-        assert rerun.attrs["complete"] is True
+        assert decoded_attrs(rerun)["complete"] is True
         for variable in ("key_mass", "entropy", "logit_mean_pooled"):
             np.testing.assert_array_equal(rerun[variable].values, clean[variable].values)

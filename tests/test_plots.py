@@ -198,17 +198,20 @@ def test_video_frame_axis_spreads_21_latents_over_81_frames():
     fig = plots.plot_figure4([ds], [(0, 1)], frame_axis="video")
     (ax,) = fig.axes
     centers = [patch.get_x() + patch.get_width() / 2 for patch in ax.containers[0]]
-    np.testing.assert_allclose(centers, frames.video_frame_centers(21))
-    assert centers[0] == 0 and centers[1] == 2.5 and 78 < centers[-1] <= 80
-    assert ax.get_xlim() == pytest.approx((-0.5, 80.5))
+    # Latents 1..20 sit at the centres of their 4 video frames; latent 0 (video frame 0 alone)
+    # is drawn as wide as they are, in the cell -3.5..0.5 that ends where latent 1 starts.
+    np.testing.assert_allclose(centers[1:], frames.video_frame_centers(21)[1:])
+    assert centers[0] == -1.5 and centers[1] == 2.5 and 78 < centers[-1] <= 80
+    assert ax.get_xlim() == pytest.approx((-3.5, 80.5))
     assert ax.get_xlabel() == "Key frame (video)"
     edges = plots.frame_edges(21, "video")
-    assert edges[0] == -0.5 and edges[-1] == 80.5 and np.all(np.diff(edges[1:]) == 4)
+    assert edges[0] == -3.5 and edges[1] == 0.5 and edges[-1] == 80.5
+    assert np.all(np.diff(edges) == 4)
 
     maps = plots.plot_frame_maps(ds, frame_axis="video")
     mesh = next(c for c in maps.axes[0].collections if isinstance(c, QuadMesh))
     corners = mesh.get_coordinates()
-    assert corners[..., 0].min() == -0.5 and corners[..., 0].max() == 80.5
+    assert corners[..., 0].min() == -3.5 and corners[..., 0].max() == 80.5
     assert "Query frame (video)" in figure_texts(maps)
 
 
@@ -247,7 +250,9 @@ def test_layer_comparison_and_statistics_values():
         np.testing.assert_allclose(
             line.get_ydata(), numpy_last_block(ds, "logit_mean", 0).mean(axis=0), rtol=1e-6
         )
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["Layer 0", "Layer 1"]
+    # The legend sits under the panel, outside the data.
+    assert ax.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Layer 0", "Layer 1"]
 
     fig = plots.plot_statistics(datasets)
     (ax,) = fig.axes
@@ -391,13 +396,21 @@ def test_render_compare_figures(tmp_path):
 
     datasets = [open_frame_dataset(path) for path in stores]
     fig = plots.plot_checkpoints(datasets, heads)
+    # One legend under the panels: a checkpoint keeps its colour in every panel.
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [
+        "self_forcing (mean of 3 prompts)",
+        "causvid (mean of 3 prompts)",
+        "base_wan (1 prompt)",
+    ]
+    colors = {}
     for ax, (layer, head) in zip(fig.axes, heads, strict=True):
-        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert ax.get_legend() is None
         names = (
             ["self_forcing", "causvid", "base_wan"] if layer == 0 else ["self_forcing", "causvid"]
         )
-        assert legend == [f"{n} (n={3 if n != 'base_wan' else 1})" for n in names]
         for line, name in zip(ax.lines, names, strict=True):
+            assert colors.setdefault(name, line.get_color()) == line.get_color()
             runs = [
                 ds
                 for ds in datasets

@@ -12,6 +12,7 @@ import zarr
 import sinkscope.analysis.reduce as reduce_module
 from sinkscope.analysis.reduce import open_frame_dataset, reduce_rows, reduce_token_store
 from sinkscope.frames import visible_frames
+from sinkscope.storage import decoded_attrs
 from tests.storefixtures import random_block_causal_logits, write_token_store
 
 T = 6
@@ -144,7 +145,7 @@ def test_output_layout(windowed):
         assert name in ds.coords, name
     assert ds.attrs["block_sizes"] == SIZES
     assert ds.attrs["local_attn_size"] == WINDOW
-    assert ds.attrs["config"] == {"model": "tiny", "num_steps": 2}
+    assert decoded_attrs(ds)["config"] == {"model": "tiny", "num_steps": 2}
     assert not out.with_name(out.name + ".tmp").exists()
 
 
@@ -353,7 +354,7 @@ def test_a_frame_dataset_is_marked_complete_last(tmp_path, monkeypatch):
     monkeypatch.setattr(xr.Dataset, "to_zarr", write_and_keep_a_copy)
     reduce_token_store(store, out)
     assert "complete" not in written["attrs"]  # the data were written unmarked
-    assert xr.open_zarr(out).attrs["complete"] is True
+    assert decoded_attrs(xr.open_zarr(out))["complete"] is True
     unmarked = tmp_path / "unmarked.zarr"
     open_frame_dataset(out).drop_attrs().to_zarr(unmarked, zarr_format=3)
     with pytest.raises(ValueError, match=rf"{unmarked}: not marked complete: its reduce was"):

@@ -14,6 +14,7 @@ import yaml
 from snakemake.utils import validate
 
 from sinkscope.extraction.closed_loop import load_latents
+from sinkscope.storage import decoded_attrs
 from sinkscope.workflow.entries import checkpoint_inputs
 from sinkscope.workflow.resources import (
     closed_loop_runtime,
@@ -115,14 +116,14 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     survey_jobs = {record["JobId"] for record in rules["survey"]}
     for checkpoint, prompt, layer in RUNS:
         tokens = xr.open_zarr(workdir / f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")
-        gpu = tokens.attrs["gpu"]
+        gpu = decoded_attrs(tokens)["gpu"]
         assert gpu["claimed_by"] == "slurm" and gpu["slurm_job_id"] in extract_jobs
         # The one GPU SLURM made visible to the job, as the job's environment named it.
         assert gpu["visible_id"] == gpu["cuda_visible_devices"] and gpu["visible_id"] in {"0", "1"}
         survey = xr.open_zarr(
             workdir / f"results/attention/{checkpoint}/{prompt}/layer{layer}.zarr"
         )
-        assert survey.attrs["gpu"]["slurm_job_id"] in survey_jobs
+        assert decoded_attrs(survey)["gpu"]["slurm_job_id"] in survey_jobs
     loop_jobs = {record["JobId"] for record in loop}
     for policy in CLOSED_LOOP_POLICIES:
         _, meta = load_latents(workdir / f"results/closed_loop/demo_a/eagle/{policy}.safetensors")

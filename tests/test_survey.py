@@ -26,6 +26,7 @@ from sinkscope.frames import (
     token_store_bytes,
     visible_frames,
 )
+from sinkscope.storage import decoded_attrs
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.demo import DEMO_MODEL
 
@@ -161,8 +162,8 @@ def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
         # The same Contract 2 but for the store each came from.
         assert set(attention.variables) == set(tokens.variables)
         per_job = {"store", "tokens", "started_at", "completed_at", "gpu", "attributes_crc32"}
-        assert {k: v for k, v in attention.attrs.items() if k not in per_job} == {
-            k: v for k, v in tokens.attrs.items() if k not in per_job
+        assert {k: v for k, v in decoded_attrs(attention).items() if k not in per_job} == {
+            k: v for k, v in decoded_attrs(tokens).items() if k not in per_job
         }
         # The rollout's attention is far from uniform (else any two reductions would agree).
         assert np.nanmax(attention.prob_mass.values) > 0.2

@@ -15,6 +15,8 @@ import pytest
 import xarray as xr
 import yaml
 
+from sinkscope.storage import decoded_attrs
+
 from .workflowtools import copy_workflow, demo_copy, edit_config, planned_jobs, snakemake
 
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
@@ -131,7 +133,7 @@ def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path)
     planned = {w for r, w in planned_jobs(workdir, target) if r == "extract"}
     assert planned == {"checkpoint=demo_a, prompt=eagle, layer=0"}
     snakemake(workdir, target)
-    assert xr.open_zarr(workdir / target).attrs["complete"] is True
+    assert decoded_attrs(xr.open_zarr(workdir / target))["complete"] is True
     assert not partial.exists()
 
 

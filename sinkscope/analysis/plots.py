@@ -30,7 +30,9 @@ from matplotlib.collections import QuadMesh
 from matplotlib.colors import Colormap, LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+from matplotlib.transforms import ScaledTranslation
 
 from sinkscope import frames
 from sinkscope.analysis import closed_loop, figures, policies, stats
@@ -53,6 +55,13 @@ PARTS = ("first", "middle", "last")
 PART_LABELS = {"first": "First frame", "middle": "Middle frames", "last": "Last frame"}
 
 UNSEEN_COLOR = "0.8"  # tiles the query frame could not see
+QUERY_BLOCK_COLOR = "0.9"  # the band over the query block's own key frames (figure4, heads grid)
+ANNOTATIONS = ("max", "min")  # what figure4 may annotate (`figures.annotate`)
+MAP_LOG_DECADES = 1.0  # a probability map is drawn on a log scale when it spans more decades
+# Every cell of a colour map (and of a colorbar) is stroked in its own colour this wide (points),
+# so neighbours overlap: vector viewers otherwise antialias each cell's edge on its own and show
+# hairline seams between cells. The maps stay vector (no embedded image).
+SEAM_STROKE_PT = 0.3
 LOGIT_CMAP = "RdBu_r"
 PROBABILITY_CMAP = "viridis"
 BAR_COLOR = "#9ecae1"
@@ -206,23 +215,26 @@ def head_statistics(ds: xr.Dataset, measure: str = "logits", step: int = 0) -> p
 
 
 def key_frame_positions(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
-    """Where each latent frame sits on the axis: its index, or its video-frame centre."""
-    _check_choice("frame_axis", frame_axis, FRAME_AXES)
-    if frame_axis == "video":
-        return frames.video_frame_centers(num_frames)
-    return np.arange(num_frames, dtype=np.float64)
+    """Where each latent frame is drawn on the axis: its index, or on the video axis the centre
+    of its cell (`frame_edges`): the centre of its decoded video frames, for latent 0 (a single
+    video frame, drawn as wide as the others) the centre of its widened cell, -1.5."""
+    edges = frame_edges(num_frames, frame_axis)
+    return (edges[:-1] + edges[1:]) / 2
 
 
 def frame_edges(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
     """Cell edges of the latent frames on the axis (num_frames + 1 values).
 
-    On the video axis latent k spans its decoded video frames, so cells are 1 frame wide for
-    latent 0 and 4 frames wide after it.
+    On the video axis latent k >= 1 spans its 4 decoded video frames (4k-3 .. 4k). Latent 0
+    decodes to video frame 0 alone; a cell one frame wide would be a sliver beside the others,
+    and frame 0 is where attention sinks sit, so its cell is drawn as wide as a latent's, ending
+    where latent 1 starts: -3.5 .. 0.5.
     """
     _check_choice("frame_axis", frame_axis, FRAME_AXES)
     if frame_axis == "video":
-        spans = [frames.video_frames_of_latent(k) for k in range(num_frames)]
-        return np.array([spans[0].start - 0.5] + [span.stop - 0.5 for span in spans])
+        spans = [frames.video_frames_of_latent(k) for k in range(max(num_frames, 2))]
+        stops = [span.stop - 0.5 for span in spans[:num_frames]]
+        return np.array([stops[0] - len(spans[1]), *stops])
     return np.arange(num_frames + 1, dtype=np.float64) - 0.5
 
 
@@ -285,32 +297,76 @@ def _series_colors(count: int) -> list:
     return [matplotlib.colormaps["viridis"](x) for x in np.linspace(0.0, 0.9, count)]
 
 
-def _color_scale(values: np.ndarray, measure: str) -> tuple[Colormap, Normalize, np.ndarray]:
-    """Colormap, norm and the values to draw for a map of `measure`; NaN (unseen) is grey.
-
-    Logits: diverging map with limits symmetric around 0. Probabilities: log scale; exact zeros are
-    lifted to the lower limit so that they are not mistaken for unseen tiles.
-    """
+def color_limits(values: np.ndarray, measure: str) -> tuple[float, float]:
+    """The limits of a colour map of `measure` drawing `values` (NaN ignored): (-L, L) for
+    logits, L the largest magnitude; (smallest, largest) positive value for probabilities, the
+    smallest no lower than 1e-4 of the largest. Maps compared side by side share the limits of
+    their values pooled (`render_figures`, `shared_scale`)."""
+    values = np.asarray(values, dtype=np.float64)
     finite = values[np.isfinite(values)]
     if measure == "logits":
         limit = float(np.max(np.abs(finite))) if finite.size else 1.0
         limit = limit if limit > 0 else 1.0
-        cmap = matplotlib.colormaps[LOGIT_CMAP].with_extremes(bad=UNSEEN_COLOR)
-        return cmap, Normalize(vmin=-limit, vmax=limit), values
+        return (-limit, limit)
     positive = finite[finite > 0]
-    vmax = float(positive.max()) if positive.size else 1.0
-    vmin = max(float(positive.min()), vmax * 1e-4) if positive.size else vmax * 1e-4
+    if not positive.size:
+        return (1.0, 1.0)
+    vmax = float(positive.max())
+    return (max(float(positive.min()), vmax * 1e-4), vmax)
+
+
+def log_scaled(limits: tuple[float, float]) -> bool:
+    """Whether probabilities within `limits` (`color_limits`) are drawn on a log scale: only
+    when they span more than MAP_LOG_DECADES decades, else a linear scale from 0 reads better."""
+    low, high = limits
+    return low > 0 and bool(np.log10(high / low) > MAP_LOG_DECADES)
+
+
+def _color_scale(
+    values: np.ndarray, measure: str, limits: tuple[float, float] | None = None
+) -> tuple[Colormap, Normalize, np.ndarray]:
+    """Colormap, norm and the values to draw for a map of `measure`; NaN (unseen) is grey.
+    `limits`: those of `color_limits` (default: of `values`), e.g. shared with other maps.
+
+    Logits: diverging map with limits symmetric around 0. Probabilities: a linear scale from 0
+    to the largest value, or a log scale when the positive values span more than a decade
+    (`log_scaled`), where exact zeros are lifted to the lower limit so that they are not
+    mistaken for unseen tiles.
+    """
+    low, high = color_limits(values, measure) if limits is None else limits
+    if measure == "logits":
+        cmap = matplotlib.colormaps[LOGIT_CMAP].with_extremes(bad=UNSEEN_COLOR)
+        return cmap, Normalize(vmin=low, vmax=high), values
     cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
-    shown = np.where(np.isfinite(values), np.maximum(values, vmin), np.nan)
-    return cmap, LogNorm(vmin=vmin, vmax=vmax), shown
+    if not log_scaled((low, high)):
+        return cmap, Normalize(vmin=0.0, vmax=high), values
+    shown = np.where(np.isfinite(values), np.maximum(values, low), np.nan)
+    return cmap, LogNorm(vmin=low, vmax=high), shown
+
+
+def _mesh(ax: Axes, x_edges, y_edges, values, cmap: Colormap, norm: Normalize) -> QuadMesh:
+    """A colour map of cells, each stroked in its own colour so that no seams show in vector
+    files (`SEAM_STROKE_PT`)."""
+    return ax.pcolormesh(
+        x_edges,
+        y_edges,
+        values,
+        cmap=cmap,
+        norm=norm,
+        edgecolors="face",
+        linewidth=SEAM_STROKE_PT,
+    )
 
 
 def _colorbar(fig: Figure, mappable, axes, label: str) -> None:
     colorbar = fig.colorbar(mappable, ax=axes, shrink=0.9, pad=0.02)
     colorbar.set_label(label)
     colorbar.outline.set_linewidth(0.5)
-    # matplotlib rasterizes long colorbars; keep the file fully vector.
+    # matplotlib rasterizes long colorbars; keep the file fully vector, and stroke every
+    # segment in its own colour so that vector viewers show no hairline seams between them.
     colorbar.solids.set_rasterized(False)
+    colorbar.solids.set_edgecolor("face")
+    colorbar.solids.set_linewidth(SEAM_STROKE_PT)
 
 
 def _boxed(ax: Axes) -> None:
@@ -318,37 +374,110 @@ def _boxed(ax: Axes) -> None:
         spine.set_visible(True)
 
 
+def _check_annotate(annotate: Sequence[str]) -> None:
+    for what in annotate:
+        _check_choice("annotate", what, ANNOTATIONS)
+
+
 def _draw_profile(
-    ax: Axes, values: np.ndarray, frame_axis: str, *, annotate_max: bool = False
+    ax: Axes,
+    values: np.ndarray,
+    frame_axis: str,
+    *,
+    annotate: Sequence[str] = (),
+    block: Sequence[int] = (),
 ) -> None:
-    """Bars and line of one profile over key frames, optionally with its maximum annotated."""
+    """Bars and line of one profile over key frames, optionally with its maximum and minimum
+    annotated (`annotate`: 'max', 'min') and the key frames `block` (latent) shaded."""
     num_frames = values.shape[0]
+    edges = frame_edges(num_frames, frame_axis)
     positions = key_frame_positions(num_frames, frame_axis)
-    widths = 0.8 * np.diff(frame_edges(num_frames, frame_axis))
-    ax.bar(positions, values, width=widths, color=BAR_COLOR, linewidth=0)
+    if len(block):
+        _shade_block(ax, edges, block)
+    ax.bar(positions, values, width=0.8 * np.diff(edges), color=BAR_COLOR, linewidth=0)
     ax.plot(positions, values, color=LINE_COLOR, marker="o")
     ax.axhline(0.0, color="0.5", linewidth=0.4)
     _frame_axis_format(ax, num_frames, frame_axis)
     ax.margins(y=0.08)
-    if annotate_max and np.isfinite(values).any():
-        peak = int(np.nanargmax(values))
-        # Headroom above the bars for the label; the label leans to the side with room.
+    if not np.isfinite(values).any():
+        return
+    extremes = {"max": int(np.nanargmax(values)), "min": int(np.nanargmin(values))}
+    if extremes["max"] == extremes["min"]:  # a flat profile: its maximum says it all
+        extremes.pop("min")
+    # Headroom above the bars for the maximum's label, below them for the minimum's: under the
+    # bar's foot (the 0 line) or its end, whichever is lower, so that the label covers no bar.
+    low, high = ax.get_ylim()
+    room = 0.18 * (high - low)
+    ax.set_ylim(low - room * ("min" in annotate), high + room * ("max" in annotate))
+    if "min" in annotate and np.nanmin(values) >= 0:
+        # The headroom under 0 holds a label, not values: no ticks there.
         low, high = ax.get_ylim()
-        ax.set_ylim(low, high + 0.18 * (high - low))
-        to_left = peak > num_frames / 2
-        ax.annotate(
-            f"max {_format_value(values[peak])}, {_frame_name(peak, frame_axis)}",
-            xy=(positions[peak], values[peak]),
-            xytext=(-6 if to_left else 6, 7),
-            textcoords="offset points",
-            ha="right" if to_left else "left",
-            va="bottom",
-            arrowprops={"arrowstyle": "-", "color": "0.3", "linewidth": 0.5, "shrinkA": 0},
+        ticks = ax.yaxis.get_major_locator().tick_values(low, high)
+        ax.set_yticks([tick for tick in ticks if 0 <= tick <= high])
+        ax.set_ylim(low, high)
+    for what in ANNOTATIONS:
+        if what not in annotate or what not in extremes:
+            continue
+        frame = extremes[what]
+        to_left = frame > num_frames / 2  # the label leans to the side with room
+        above = what == "max"
+        value = float(values[frame])
+        shift = ScaledTranslation(
+            (-6 if to_left else 6) / 72, (7 if above else -7) / 72, ax.figure.dpi_scale_trans
         )
+        ax.annotate(
+            f"{what} {_format_value(value)}, {_frame_name(frame, frame_axis)}",
+            xy=(positions[frame], value),
+            xytext=(positions[frame], value if above else min(value, 0.0)),
+            textcoords=ax.transData + shift,
+            ha="right" if to_left else "left",
+            va="bottom" if above else "top",
+            arrowprops={
+                "arrowstyle": "-",
+                "color": "0.3",
+                "linewidth": 0.5,
+                "shrinkA": 0,
+                # from the label's corner nearest the point
+                "relpos": (1.0 if to_left else 0.0, 0.0 if above else 1.0),
+            },
+        )
+
+
+def _shade_block(ax: Axes, edges: np.ndarray, block: Sequence[int]) -> None:
+    """A light band behind the key frames `block` (latent frames, contiguous): the query
+    block's own frames."""
+    ax.axvspan(
+        edges[min(block)],
+        edges[max(block) + 1],
+        color=QUERY_BLOCK_COLOR,
+        linewidth=0,
+        zorder=0,
+        label="_query block",
+    )
+
+
+def _query_block(ds: xr.Dataset) -> list[int]:
+    """The latent frames of the last block: the query frames of the last-block profile."""
+    return [int(f) for f in ds["query_frame"].values[stats.last_block_rows(ds)]]
+
+
+def _span(frames_: Sequence[int]) -> str:
+    return f"{frames_[0]}" if len(frames_) == 1 else f"{frames_[0]}–{frames_[-1]}"
 
 
 def _run_title(ds: xr.Dataset, step: int) -> str:
     return f"{_checkpoint(ds)} · {_prompt(ds)} · {step_title(ds, step)}"
+
+
+def _capital(text: str) -> str:
+    """`text` with its first letter in upper case (a title that no longer follows the run)."""
+    return text[:1].upper() + text[1:]
+
+
+def _titled(what: str, ds: xr.Dataset, step: int, titles: bool) -> str:
+    """'{what} · {checkpoint} · {prompt} · t=...', or `what` alone without `titles` (a paper's
+    figure, whose caption names the run)."""
+    return f"{what} · {_run_title(ds, step)}" if titles else what
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,22 +505,40 @@ def plot_figure4(
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
+    annotate: Sequence[str] = ("max",),
+    titles: bool = True,
 ) -> Figure:
-    """Deep Forcing Fig. 4: last-block profile of chosen (layer, head)s, maximum annotated."""
+    """Deep Forcing Fig. 4: last-block profile of chosen (layer, head)s, the query block's own
+    key frames shaded, the maximum (and with `annotate` ('max', 'min') the minimum) annotated.
+    The title names the query set; without `titles` it leaves out the run (checkpoint, prompt,
+    timestep)."""
     _check_options(measure, frame_axis)
+    _check_annotate(annotate)
     layers = _by_layer(datasets)
     _check_run_heads(layers, heads)
     profiles = {layer: last_block_profile(layers[layer], measure, step) for layer, _ in heads}
+    first = next(iter(layers.values()))
+    block = _query_block(first)
 
-    fig = Figure(figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3)), layout="constrained")
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3) + 0.2), layout="constrained"
+    )
     for ax, (layer, head) in zip(_panel_grid(fig, len(heads), 3), heads, strict=True):
-        _draw_profile(ax, profiles[layer].sel(head=head).values, frame_axis, annotate_max=True)
+        values = profiles[layer].sel(head=head).values
+        _draw_profile(ax, values, frame_axis, annotate=annotate, block=block)
         ax.set_title(head_label(layer, head))
         ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
         ax.set_ylabel(PROFILE_LABELS[measure])
-    first = next(iter(layers.values()))
-    fig.suptitle(f"{_run_title(first, step)} · {last_block_label(first)}")
+    _query_block_legend(fig, block)
+    title = last_block_label(first)
+    fig.suptitle(f"{_run_title(first, step)} · {title}" if titles else _capital(title))
     return fig
+
+
+def _query_block_legend(fig: Figure, block: Sequence[int]) -> None:
+    """The legend under the panels naming the shaded band (`_shade_block`)."""
+    label = f"the query block's own key frames (latent {_span(block)})"
+    fig.legend(handles=[Patch(color=QUERY_BLOCK_COLOR, label=label)], loc="outside lower center")
 
 
 def last_block_label(ds: xr.Dataset) -> str:
@@ -408,47 +555,58 @@ def _grid_columns(count: int) -> int:
 
 @_styled
 def plot_heads_grid(
-    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+    ds: xr.Dataset,
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    titles: bool = True,
 ) -> Figure:
-    """Small multiples of every head's last-block profile, with its sink score in the title."""
+    """Small multiples of every head's last-block profile, with its sink score in the title and
+    the query block's own key frames shaded."""
     _check_options(measure, frame_axis)
     profile = last_block_profile(ds, measure, step)
     scores = head_statistics(ds, measure, step)["sink_score"]
     heads = [int(h) for h in profile["head"].values]
+    block = _query_block(ds)
     ncols = _grid_columns(len(heads))
     nrows = math.ceil(len(heads) / ncols)
-    fig = Figure(figsize=(FULL_WIDTH_IN, 1.3 * nrows + 0.6), layout="constrained")
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.3 * nrows + 0.8), layout="constrained")
     axes = _panel_grid(fig, len(heads), ncols, sharex=True, sharey=True)
-    for ax, head in zip(axes, heads, strict=True):
-        _draw_profile(ax, profile.sel(head=head).values, frame_axis)
+    for index, (ax, head) in enumerate(zip(axes, heads, strict=True)):
+        _draw_profile(ax, profile.sel(head=head).values, frame_axis, block=block)
         score = float(scores.loc[head])
         ax.set_title(f"{head_label(_layer(ds), head)} sink {_format_value(score)}")
-    fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
+        if index + ncols >= len(heads):  # no panel below: this one labels the key frames
+            ax.tick_params(labelbottom=True)
+            ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])  # per panel: the legend takes the foot
+    _query_block_legend(fig, block)
     fig.supylabel(PROFILE_LABELS[measure])
-    fig.suptitle(f"Layer {_layer(ds)}, all heads · {_run_title(ds, step)}")
+    fig.suptitle(_titled(f"Layer {_layer(ds)}, all heads", ds, step, titles))
     return fig
 
 
 @_styled
 def plot_heads_heatmap(
-    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+    ds: xr.Dataset,
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    color_limits: tuple[float, float] | None = None,
+    titles: bool = True,
 ) -> Figure:
-    """Head x key frame image of the last-block profile."""
+    """Head x key frame image of the last-block profile; `color_limits` (`color_limits` of the
+    values of every layer, as `render_figures` passes them) puts the layers on one scale."""
     _check_options(measure, frame_axis)
     profile = last_block_profile(ds, measure, step)
     values = profile.values
     num_heads, num_frames = values.shape
-    cmap, norm, shown = _color_scale(values, measure)
+    cmap, norm, shown = _color_scale(values, measure, color_limits)
     fig = Figure(figsize=(COLUMN_WIDTH_IN * 1.3, 0.18 * num_heads + 1.2), layout="constrained")
     ax = fig.add_subplot()
-    mesh = ax.pcolormesh(
-        frame_edges(num_frames, frame_axis),
-        np.arange(num_heads + 1) - 0.5,
-        shown,
-        cmap=cmap,
-        norm=norm,
-        edgecolors="face",
-        linewidth=0,
+    mesh = _mesh(
+        ax, frame_edges(num_frames, frame_axis), np.arange(num_heads + 1) - 0.5, shown, cmap, norm
     )
     _boxed(ax)
     _frame_axis_format(ax, num_frames, frame_axis)
@@ -457,23 +615,29 @@ def plot_heads_heatmap(
     ax.set_ylim(num_heads - 0.5, -0.5)  # first head on top
     ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
     ax.set_ylabel("Head")
-    ax.set_title(f"Layer {_layer(ds)}, last-block profile · {_run_title(ds, step)}")
+    ax.set_title(_titled(f"Layer {_layer(ds)}, last-block profile", ds, step, titles))
     _colorbar(fig, mesh, ax, PROFILE_LABELS[measure])
     return fig
 
 
 @_styled
 def plot_frame_maps(
-    ds: xr.Dataset, *, measure: str = "logits", frame_axis: str = "latent", step: int = 0
+    ds: xr.Dataset,
+    *,
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    color_limits: tuple[float, float] | None = None,
+    titles: bool = True,
 ) -> Figure:
-    """Query frame x key frame map per head on one shared colour scale; unseen tiles grey."""
+    """Query frame x key frame map per head on one shared colour scale; unseen tiles grey.
+    `color_limits` (`color_limits` of the maps of every layer, as `render_figures` passes them)
+    puts the layers on one scale."""
     _check_options(measure, frame_axis)
-    maps = _select_step(ds, step)[MEASURE_VARIABLES[measure]].transpose(
-        "head", "query_frame", "key_frame"
-    )
+    maps = frame_map_values(ds, measure, step)
     values = maps.values
     num_heads, num_queries, num_keys = values.shape
-    cmap, norm, shown = _color_scale(values, measure)
+    cmap, norm, shown = _color_scale(values, measure, color_limits)
     key_edges = frame_edges(num_keys, frame_axis)
     query_edges = frame_edges(num_queries, frame_axis)
     blocks = np.asarray(ds["block"].values)
@@ -485,9 +649,7 @@ def plot_frame_maps(
     axes = _panel_grid(fig, num_heads, ncols, sharex=True, sharey=True)
     mesh = None
     for ax, head, head_map in zip(axes, maps["head"].values, shown, strict=True):
-        mesh = ax.pcolormesh(
-            key_edges, query_edges, head_map, cmap=cmap, norm=norm, edgecolors="face", linewidth=0
-        )
+        mesh = _mesh(ax, key_edges, query_edges, head_map, cmap, norm)
         for start in block_starts:
             ax.axhline(query_edges[start], color="0.4", linewidth=0.3, alpha=0.5)
             if start < num_keys:
@@ -500,9 +662,15 @@ def plot_frame_maps(
         ax.set_title(head_label(_layer(ds), head))
     fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
     fig.supylabel(QUERY_AXIS_LABELS[frame_axis])
-    fig.suptitle(f"Layer {_layer(ds)}, query x key frames · {_run_title(ds, step)}")
+    fig.suptitle(_titled(f"Layer {_layer(ds)}, query x key frames", ds, step, titles))
     _colorbar(fig, mesh, axes, MAP_LABELS[measure])
     return fig
+
+
+def frame_map_values(ds: xr.Dataset, measure: str, step: int) -> xr.DataArray:
+    """The maps of `plot_frame_maps`: (head, query_frame, key_frame) of `measure` at `step`."""
+    variable = MEASURE_VARIABLES[measure]
+    return _select_step(ds, step)[variable].transpose("head", "query_frame", "key_frame")
 
 
 @_styled
@@ -512,11 +680,14 @@ def plot_layer_comparison(
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
+    titles: bool = True,
 ) -> Figure:
-    """Per layer: mean over heads of the last-block profile with a ±1 std band across heads."""
+    """Per layer: mean over heads of the last-block profile with a ±1 std band across heads;
+    the legend under the panel."""
     _check_options(measure, frame_axis)
     layers = _by_layer(datasets)
-    fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.4), layout="constrained")
+    legend_rows = math.ceil(len(layers) / 4)
+    fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.4 + 0.12 * legend_rows), layout="constrained")
     ax = fig.add_subplot()
     num_frames = 1
     for color, (layer, ds) in zip(_series_colors(len(layers)), layers.items(), strict=True):
@@ -531,16 +702,18 @@ def plot_layer_comparison(
     ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
     ax.set_ylabel(PROFILE_LABELS[measure])
     ax.set_title("Last-block profile per layer, mean ± 1 std over heads")
-    ax.legend(loc="best")
-    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    fig.legend(loc="outside lower center", ncols=min(len(layers), 4))
+    if titles:
+        fig.suptitle(_run_title(next(iter(layers.values())), step))
     return fig
 
 
 @_styled
 def plot_statistics(
-    datasets: Sequence[xr.Dataset], *, measure: str = "logits", step: int = 0
+    datasets: Sequence[xr.Dataset], *, measure: str = "logits", step: int = 0, titles: bool = True
 ) -> Figure:
-    """First / middle / last key frames per layer: mean over heads, std over heads as error bar."""
+    """First / middle / last key frames per layer: mean over heads, std over heads as error bar;
+    the legend under the panel."""
     _check_choice("measure", measure, tuple(MEASURE_VARIABLES))
     layers = _by_layer(datasets)
     parts = {layer: head_statistics(ds, measure, step) for layer, ds in layers.items()}
@@ -568,8 +741,9 @@ def plot_statistics(
     ax.set_xlabel("Layer")
     ax.set_ylabel(PROFILE_LABELS[measure])
     ax.set_title("Last-block key frames, mean ± std over heads")
-    ax.legend(loc="best")
-    fig.suptitle(_run_title(next(iter(layers.values())), step))
+    fig.legend(loc="outside lower center", ncols=len(PARTS))
+    if titles:
+        fig.suptitle(_run_title(next(iter(layers.values())), step))
     return fig
 
 
@@ -641,22 +815,48 @@ def _checkpoint_series_figure(
     title: str,
 ) -> Figure:
     """One panel per (layer, head); `draw_series(ax, color, checkpoint, datasets, head)` draws one
-    checkpoint's series and returns its number of key frames."""
+    checkpoint's series and returns its number of key frames. A checkpoint keeps its colour in
+    every panel; one legend under the panels names them."""
     _check_options(measure, frame_axis)
     _check_compare_inputs(datasets, heads)
-    fig = Figure(figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3)), layout="constrained")
+    checkpoints = list(dict.fromkeys(_checkpoint(ds) for ds in datasets))
+    colors = dict(zip(checkpoints, _series_colors(len(checkpoints)), strict=True))
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, 2.3 * math.ceil(len(heads) / 3) + 0.25), layout="constrained"
+    )
     for ax, (layer, head) in zip(_head_panels(fig, heads), heads, strict=True):
         runs = _runs_with_head(datasets, layer, head)
         num_frames = 1
-        for color, (checkpoint, group) in zip(_series_colors(len(runs)), runs.items(), strict=True):
-            num_frames = max(num_frames, draw_series(ax, color, checkpoint, group, head))
+        for checkpoint, group in runs.items():
+            drawn = draw_series(ax, colors[checkpoint], checkpoint, group, head)
+            num_frames = max(num_frames, drawn)
         _frame_axis_format(ax, num_frames, frame_axis)
         ax.set_title(head_label(layer, head))
         ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
         ax.set_ylabel(PROFILE_LABELS[measure])
-        ax.legend(loc="best")
+    _figure_legend(fig, min(len(checkpoints), 3))
     fig.suptitle(title)
     return fig
+
+
+def _figure_legend(fig: Figure, ncols: int, **kwargs) -> None:
+    """One legend under the panels, outside every axes, of the labelled lines of all panels
+    (a label once)."""
+    handles = {}
+    for ax in fig.axes:
+        for line in ax.lines:
+            if not line.get_label().startswith("_"):
+                handles.setdefault(line.get_label(), line)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=ncols, **kwargs)
+
+
+def _compare_heading(
+    what: str, datasets: Sequence[xr.Dataset], step: int | None, titles: bool
+) -> str:
+    """`what`, then the steps shown ('· t=1000') unless `titles` is off."""
+    if not titles or step is None:
+        return what
+    return f"{what} · {_compare_title(datasets, step)}"
 
 
 @_styled
@@ -667,23 +867,39 @@ def plot_checkpoints(
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
+    titles: bool = True,
 ) -> Figure:
-    """For each head, one line per checkpoint: the last-block profile averaged over prompts."""
+    """For each head, one line per checkpoint: the last-block profile averaged over prompts (the
+    legend counts them). With one checkpoint the title names it."""
 
     def draw_mean(ax: Axes, color, checkpoint: str, group: list[xr.Dataset], head: int) -> int:
         mean = _prompt_profiles(group, head, measure, step).mean("prompt", skipna=True).values
         positions = key_frame_positions(mean.shape[0], frame_axis)
-        ax.plot(positions, mean, color=color, marker="o", label=f"{checkpoint} (n={len(group)})")
+        count = "1 prompt" if len(group) == 1 else f"mean of {len(group)} prompts"
+        label = f"{checkpoint} ({count})"
+        ax.plot(positions, mean, color=color, marker="o", label=label)
         return mean.shape[0]
 
+    checkpoints = list(dict.fromkeys(_checkpoint(ds) for ds in datasets))
+    several = any(count > 1 for count in _prompts_per_checkpoint(datasets).values())
+    what = "Checkpoints" if len(checkpoints) > 1 else f"Checkpoint {checkpoints[0]}"
+    what += ", mean over prompts" if several else ""
     return _checkpoint_series_figure(
         datasets,
         heads,
         draw_mean,
         measure=measure,
         frame_axis=frame_axis,
-        title=f"Checkpoints, mean over prompts · {_compare_title(datasets, step)}",
+        title=_compare_heading(what, datasets, step, titles),
     )
+
+
+def _prompts_per_checkpoint(datasets: Sequence[xr.Dataset]) -> dict[str, int]:
+    """How many prompts each checkpoint's datasets hold, in order of appearance."""
+    prompts: dict[str, set[str]] = {}
+    for ds in datasets:
+        prompts.setdefault(_checkpoint(ds), set()).add(_prompt(ds))
+    return {checkpoint: len(names) for checkpoint, names in prompts.items()}
 
 
 @_styled
@@ -694,14 +910,25 @@ def plot_prompts(
     measure: str = "logits",
     frame_axis: str = "latent",
     step: int = 0,
+    titles: bool = True,
 ) -> Figure:
-    """For each head and checkpoint: thin line per prompt, mean over prompts, min-max band."""
+    """For each head and checkpoint: thin line per prompt, mean over prompts, min-max band. A
+    checkpoint with one prompt has no spread: its one line is drawn alone ('1 prompt')."""
 
     def draw_spread(ax: Axes, color, checkpoint: str, group: list[xr.Dataset], head: int) -> int:
         per_prompt = _prompt_profiles(group, head, measure, step)
         positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
+        if len(group) == 1:
+            ax.plot(
+                positions,
+                per_prompt.values[0],
+                color=color,
+                linewidth=1.4,
+                label=f"{checkpoint}: 1 prompt ({_prompt(group[0])})",
+            )
+            return positions.shape[0]
         for row in per_prompt.values:
-            ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6)
+            ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6, label="_prompt")
         ax.fill_between(
             positions,
             per_prompt.min("prompt", skipna=True).values,
@@ -719,13 +946,19 @@ def plot_prompts(
         )
         return positions.shape[0]
 
+    several = any(count > 1 for count in _prompts_per_checkpoint(datasets).values())
+    what = (
+        "Prompts: thin lines single prompts, band their min–max"
+        if several
+        else "Prompts: one per checkpoint, no spread across prompts to show"
+    )
     return _checkpoint_series_figure(
         datasets,
         heads,
         draw_spread,
         measure=measure,
         frame_axis=frame_axis,
-        title=f"Prompts: thin lines single prompts · {_compare_title(datasets, step)}",
+        title=_compare_heading(what, datasets, step, titles),
     )
 
 
@@ -764,7 +997,8 @@ def plot_passes(
     measure: str = "logits",
     frame_axis: str = "latent",
 ) -> Figure:
-    """For each head and checkpoint, one line per step (prompt mean), labelled by timestep."""
+    """For each head and checkpoint, one line per step (prompt mean), labelled by timestep; the
+    checkpoints of a head (a row) share their y axis."""
     _check_options(measure, frame_axis)
     _check_compare_inputs(datasets, heads)
     checkpoints = list(dict.fromkeys(_checkpoint(ds) for ds in datasets))
@@ -777,13 +1011,14 @@ def plot_passes(
     )
     colors = _step_colors(labels)
     fig = Figure(figsize=(FULL_WIDTH_IN, 1.8 * len(heads) + 0.5), layout="constrained")
-    grid = fig.subplots(len(heads), len(checkpoints), squeeze=False)
+    grid = fig.subplots(len(heads), len(checkpoints), squeeze=False, sharey="row")
     for row, (layer, head) in zip(grid, heads, strict=True):
         runs = _runs_with_head(datasets, layer, head)
         for ax, checkpoint in zip(row, checkpoints, strict=True):
             ax.set_title(f"{head_label(layer, head)} · {checkpoint}")
             ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
-            ax.set_ylabel(PROFILE_LABELS[measure])
+            if ax is row[0]:  # the row shares its y axis
+                ax.set_ylabel(PROFILE_LABELS[measure])
             group = runs.get(checkpoint, [])
             if not group:
                 ax.text(0.5, 0.5, "layer not captured", transform=ax.transAxes, ha="center")
@@ -860,9 +1095,10 @@ def _survey_layers(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
     return layers
 
 
-def _survey_title(layers: dict[int, xr.Dataset], what: str) -> str:
+def _survey_title(layers: dict[int, xr.Dataset], what: str, titles: bool = True) -> str:
+    """'{checkpoint} · {prompt} · {what}', or `what` alone without `titles`."""
     first = next(iter(layers.values()))
-    return f"{_checkpoint(first)} · {_prompt(first)} · {what}"
+    return f"{_checkpoint(first)} · {_prompt(first)} · {what}" if titles else _capital(what)
 
 
 def _step_panel_title(ds: xr.Dataset, step: int) -> str:
@@ -940,14 +1176,13 @@ def _map_panels(
     norm = Normalize(vmin=0.0, vmax=1.0)
     mesh = None
     for index, (ax, (title, values)) in enumerate(zip(axes, maps, strict=True)):
-        mesh = ax.pcolormesh(
+        mesh = _mesh(
+            ax,
             np.arange(len(heads) + 1) - 0.5,
             np.arange(len(layer_list) + 1) - 0.5,
             values,
-            cmap=cmap,
-            norm=norm,
-            edgecolors="face",
-            linewidth=0,
+            cmap,
+            norm,
         )
         _boxed(ax)
         ax.set_ylim(len(layer_list) - 0.5, -0.5)  # layer 0 on top
@@ -963,20 +1198,25 @@ def _map_panels(
 
 
 @_styled
-def plot_survey_first_frame(datasets: Sequence[xr.Dataset]) -> Figure:
+def plot_survey_first_frame(datasets: Sequence[xr.Dataset], *, titles: bool = True) -> Figure:
     """Layer x head map of the last block's mass on its first key frame (the `first` statistic of
     the `last_block` prob_mass profile), one panel per captured step."""
     layers = _survey_layers(datasets)
     table = survey_statistics(list(layers.values()))
     fig, axes, _, _, mesh = _layer_head_maps(layers, table, "first")
-    fig.suptitle(_survey_title(layers, "last block's mass on the first key frame, every layer"))
+    what = "last block's mass on the first key frame, every layer"
+    fig.suptitle(_survey_title(layers, what, titles))
     _colorbar(fig, mesh, axes, FIRST_FRAME_LABEL)
     return fig
 
 
 @_styled
 def plot_survey_head_class(
-    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, recent_threshold: float = 0.5
+    datasets: Sequence[xr.Dataset],
+    *,
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
+    titles: bool = True,
 ) -> Figure:
     """Layer x head map of Gu et al.'s importance of frame 0, one panel per captured step, each
     cell marked with its head class (statistics column `head_class`): sink o, recent ^, spread
@@ -1018,7 +1258,8 @@ def plot_survey_head_class(
         Line2D([], [], marker="", label="spread: no marker", **marker_style),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, title="Head class")
-    fig.suptitle(_survey_title(layers, "importance of frame 0 and head class, every layer"))
+    what = "importance of frame 0 and head class, every layer"
+    fig.suptitle(_survey_title(layers, what, titles))
     _colorbar(fig, mesh, axes, IMPORTANCE_LABEL)
     return fig
 
@@ -1033,7 +1274,9 @@ def _sink_rate_axes(ax: Axes, sink_threshold: float, title: str) -> None:
 
 
 @_styled
-def plot_survey_sink_rate(datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3) -> Figure:
+def plot_survey_sink_rate(
+    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, titles: bool = True
+) -> Figure:
     """Sink rate per layer (`stats.sink_rates`: the share of heads whose importance of frame 0 is
     at least `sink_threshold`), one line per captured step."""
     layers = _survey_layers(datasets)
@@ -1063,7 +1306,7 @@ def plot_survey_sink_rate(datasets: Sequence[xr.Dataset], *, sink_threshold: flo
     _sink_rate_axes(ax, sink_threshold, "Share of heads that are sinks, per layer")
     fig.legend(loc="outside right upper", title="Step")
     num_heads = len(next(iter(layers.values()))["head"])
-    fig.suptitle(_survey_title(layers, f"{num_heads} heads per layer"))
+    fig.suptitle(_survey_title(layers, f"{num_heads} heads per layer", titles))
     return fig
 
 
@@ -1083,7 +1326,11 @@ SURVEY_RUN_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 
 @_styled
 def plot_survey_sink_rate_runs(
-    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, step: int = 0
+    datasets: Sequence[xr.Dataset],
+    *,
+    sink_threshold: float = 0.3,
+    step: int = 0,
+    titles: bool = True,
 ) -> Figure:
     """Sink rate per layer at `step`, one line per surveyed run: colour by checkpoint, marker by
     prompt."""
@@ -1115,7 +1362,8 @@ def plot_survey_sink_rate_runs(
         ax, sink_threshold, "Share of heads that are sinks, per layer, every surveyed run"
     )
     fig.legend(loc="outside right upper", title="Checkpoint · prompt")
-    fig.suptitle(f"Survey sink rates · step {int(step)} · {_compare_title(datasets, step)}")
+    when = f" · step {int(step)} · {_compare_title(datasets, step)}" if titles else ""
+    fig.suptitle(f"Survey sink rates{when}")
     return fig
 
 
@@ -1196,9 +1444,11 @@ def plot_survey_spatial(
     attention: Sequence[xr.Dataset] = (),
     step: int = 0,
     top: int = 8,
+    titles: bool = True,
 ) -> Figure:
     """Where in latent frame 0 the `top` strongest first-frame sinks of the survey attend: per
-    head the H' x W' image of `first_frame_image` at `step`, on one shared log colour scale."""
+    head the H' x W' image of `first_frame_image` at `step`, on one shared colour scale (linear,
+    log when the values span more than a decade)."""
     layers = _survey_layers(datasets)
     first = next(iter(layers.values()))
     _select_step(first, step)
@@ -1227,28 +1477,17 @@ def plot_survey_spatial(
     axes = _panel_grid(fig, count, ncols)
     mesh = None
     for ax, row, image in zip(axes, strongest.itertuples(), shown, strict=True):
-        mesh = ax.pcolormesh(
-            np.arange(width + 1) - 0.5,
-            np.arange(height + 1) - 0.5,
-            image,
-            cmap=cmap,
-            norm=norm,
-            edgecolors="face",
-            linewidth=0,
-        )
+        mesh = _mesh(ax, np.arange(width + 1) - 0.5, np.arange(height + 1) - 0.5, image, cmap, norm)
         ax.set_ylim(height - 0.5, -0.5)  # latent row 0 on top, like the video
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
         _boxed(ax)
         ax.set_title(f"{head_label(row.layer, row.head)} · first frame {row.first:.2f}")
-    fig.suptitle(
-        _survey_title(
-            layers,
-            f"where the last block attends in frame 0, {count} strongest first-frame sinks · "
-            f"{_step_panel_title(first, step)}",
-        )
-    )
+    what = f"where the last block attends in frame 0, {count} strongest first-frame sinks"
+    if titles:
+        what += f" · {_step_panel_title(first, step)}"
+    fig.suptitle(_survey_title(layers, what, titles))
     fig.supxlabel(f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video")
     _colorbar(fig, mesh, axes, TOKEN_MASS_LABEL)
     return fig
@@ -1398,18 +1637,23 @@ def _quartile_line(ax: Axes, x: np.ndarray, groups: Sequence[np.ndarray], label:
     ax.plot(x, median, label=label, **style)
 
 
-def _policy_title(rows: pd.DataFrame, step: int, what: str, quartiles: bool = True) -> str:
-    """Two lines: the run and what is drawn; the query block, its visible frames and the step."""
+def _policy_title(
+    rows: pd.DataFrame, step: int, what: str, quartiles: bool = True, titles: bool = True
+) -> str:
+    """Two lines: the run and what is drawn; the query block, its visible frames and the step.
+    Without `titles` the run and the step are left out."""
     checkpoint, prompt = _policy_run(rows)
     first = rows.iloc[0]
     label = timestep_label(first["timestep"], first["pass_kind"])
-    when = f"step {int(step)} · {'cache pass' if label == 'cache' else label}"
+    when = f" · step {int(step)} · {'cache pass' if label == 'cache' else label}"
     block = int(first["query_block"])
     visible = int(first["visible_frames"])
     spread = " · line: median over heads, band: quartiles" if quartiles else ""
+    run = f"{checkpoint} · {prompt} · " if titles else ""
+    what = what if titles else _capital(what)
     return (
-        f"{checkpoint} · {prompt} · {what}\nlast block (query block {block}, "
-        f"V = {visible} visible frames) · {when}{spread}"
+        f"{run}{what}\nlast block (query block {block}, "
+        f"V = {visible} visible frames){when if titles else ''}{spread}"
     )
 
 
@@ -1463,7 +1707,11 @@ def _uniform_line(ax: Axes, x: Sequence[float], y: Sequence[float]) -> None:
 
 @_styled
 def plot_policy_recall(
-    table: pd.DataFrame, *, step: int = 0, layers: Sequence[int] | None = None
+    table: pd.DataFrame,
+    *,
+    step: int = 0,
+    layers: Sequence[int] | None = None,
+    titles: bool = True,
 ) -> Figure:
     """Recall against budget of every policy of the recall table (Contract 5) at `step`, for the
     last query block: one panel per layer of `layers` (default `default_policy_layers`) and one
@@ -1502,7 +1750,7 @@ def plot_policy_recall(
         ax.set_title(title)
         ax.set_xlim(0, limit + 0.5)
         ax.set_xticks(sorted({*budgets, visible}))
-    title = _policy_title(rows, step, "recall of KV-cache policies against budget")
+    title = _policy_title(rows, step, "recall of KV-cache policies against budget", titles=titles)
     _finish_panels(fig, axes, ncols, POLICY_BUDGET_LABEL, title)
     return fig
 
@@ -1514,6 +1762,7 @@ def plot_policy_sinks(
     step: int = 0,
     budget: int | None = None,
     layers: Sequence[int] | None = None,
+    titles: bool = True,
 ) -> Figure:
     """The sink ablation: recall of `sink_window` against its sink frames S at one `budget`
     (default `default_policy_budget`), S = 0 being `window`, for the last query block at `step`:
@@ -1564,13 +1813,16 @@ def plot_policy_sinks(
         ax.set_xticks(sink_values)
         ax.set_xticklabels([f"{s}\nwindow" if s == 0 else str(s) for s in sink_values])
         ax.set_xlim(sink_values[0] - 0.3, sink_values[-1] + 0.3)
-    title = _policy_title(rows, step, f"recall against sink frames S at budget B = {budget}")
+    what = f"recall against sink frames S at budget B = {budget}"
+    title = _policy_title(rows, step, what, titles=titles)
     _finish_panels(fig, axes, ncols, "Sink frames S", title)
     return fig
 
 
 @_styled
-def plot_policy_map(table: pd.DataFrame, *, step: int = 0, budget: int | None = None) -> Figure:
+def plot_policy_map(
+    table: pd.DataFrame, *, step: int = 0, budget: int | None = None, titles: bool = True
+) -> Figure:
     """Layer x head maps of recall at one `budget` (default `default_policy_budget`) for the last
     query block at `step`, one panel per policy: window, sink_window with the largest S below the
     budget, top_c and top_c_oracle where the table has them; one 0..1 colour scale, NaN grey
@@ -1596,7 +1848,7 @@ def plot_policy_map(table: pd.DataFrame, *, step: int = 0, budget: int | None = 
     ]
     fig, axes, mesh = _map_panels(maps, layer_list, heads)
     what = f"recall at budget B = {budget} latent frames, every head"
-    fig.suptitle(_policy_title(rows, step, what, quartiles=False))
+    fig.suptitle(_policy_title(rows, step, what, quartiles=False, titles=titles))
     _colorbar(fig, mesh, axes, RECALL_MAP_LABEL)
     return fig
 
@@ -2017,6 +2269,9 @@ def render_figures(
     deviation_tables: Sequence[str | os.PathLike] = (),
     closed_loop_summary: str | os.PathLike | None = None,
     train_frames: int | None = None,
+    annotate: Sequence[str] = ("max",),
+    titles: bool = True,
+    shared_scale: bool = True,
 ) -> list[Path]:
     """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
 
@@ -2032,10 +2287,17 @@ def render_figures(
     `default_policy_layers`); they need no frame dataset. Closed-loop figures draw the
     deviation tables `deviation_tables` (Contract 6, every run and policy: `closed_loop_deviation`)
     or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), with the training length
-    `train_frames` (latent frames) marked; they need no frame dataset either. Every request
-    (heads, step, options, names) is checked before the first file is written.
+    `train_frames` (latent frames) marked; they need no frame dataset either.
+
+    Options for a paper (`figures` in the config): `annotate` ('max', 'min': what figure4
+    annotates), `titles` (False: titles leave out the run's checkpoint, prompt and timestep,
+    which the caption then names), `shared_scale` (True: the colour maps of a run's layers,
+    heads heatmaps and frame maps, share one colour scale, so that the files compare; False: each
+    file its own). Every request (heads, step, options, names) is checked before the first file
+    is written.
     """
     _check_options(measure, frame_axis)
+    _check_annotate(annotate)
     plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
     kinds = [kind for _, kind, _, _ in plan]
     datasets = [open_frame_dataset(path) for path in frame_stores]
@@ -2077,11 +2339,20 @@ def render_figures(
         "budget": policy_budget,
         "layers": policy_layers,
         "train_frames": train_frames,
+        "annotate": tuple(annotate),
+        "titles": bool(titles),
     }
+    scales: dict[str, tuple[float, float]] = {}
     written = []
     for path, kind, layer, fmt in plan:
         builder = globals()[kind.builder]
         kwargs = {name: value for name, value in options.items() if name in _accepted(kind)}
+        if shared_scale and kind.builder in SHARED_SCALES:
+            if kind.builder not in scales:
+                values = [SHARED_SCALES[kind.builder](ds, measure, step) for ds in layers.values()]
+                pooled = np.concatenate([np.ravel(v) for v in values])
+                scales[kind.builder] = color_limits(pooled, measure)
+            kwargs["color_limits"] = scales[kind.builder]
         if kind.scope == "layer":
             if layer not in layers:
                 raise ValueError(f"{path}: no frame dataset of layer {layer} given")
@@ -2096,6 +2367,14 @@ def render_figures(
             data = _datasets_for(kind.layers, datasets, heads)
         written.append(save_figure(builder(data, **kwargs), path, fmt))
     return written
+
+
+# The layer figures whose colour maps of a run's layers share one scale (`shared_scale`): the
+# values each draws, of one layer's dataset.
+SHARED_SCALES: dict[str, Callable[[xr.Dataset, str, int], np.ndarray]] = {
+    "plot_heads_heatmap": lambda ds, measure, step: last_block_profile(ds, measure, step).values,
+    "plot_frame_maps": lambda ds, measure, step: frame_map_values(ds, measure, step).values,
+}
 
 
 # The table each closed-loop builder draws.

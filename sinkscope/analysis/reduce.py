@@ -30,9 +30,12 @@ from dask.callbacks import Callback
 from sinkscope.frames import block_of_frame, token_frames
 from sinkscope.storage import (
     ATTRIBUTES_CHECKSUM,
+    VARIABLE_ATTRS,
     atomic_path,
     attributes_checksum,
     checked_compressors,
+    decoded_attrs,
+    encode_attrs,
     mark_complete,
     tune_zarr,
 )
@@ -448,18 +451,24 @@ def _check_metadata_copies(kind: str, path: Path) -> None:
 def _check_attributes(kind: str, path: Path, attrs: dict) -> None:
     """The attributes pass their checksum (if they have one) and carry the `complete` mark."""
     if ATTRIBUTES_CHECKSUM in attrs:  # absent: written before the checksum, or by another writer
+        stored = attrs[ATTRIBUTES_CHECKSUM]  # JSON text since the attributes are netCDF-safe
         try:
             computed = attributes_checksum(attrs)
+            stored = json.loads(stored) if isinstance(stored, str) else stored
         except (TypeError, ValueError) as err:
             raise _damaged(kind, path, f"its attributes cannot be checked ({_cause(err)})") from err
-        if attrs[ATTRIBUTES_CHECKSUM] != computed:
+        if stored != computed:
             raise _damaged(
                 kind,
                 path,
                 f"its attributes (in zarr.json) fail their checksum: {ATTRIBUTES_CHECKSUM} is "
                 f"{attrs[ATTRIBUTES_CHECKSUM]!r}, computed {computed}",
             )
-    if attrs.get("complete") is not True:
+    try:
+        complete = decoded_attrs(attrs).get("complete")
+    except (TypeError, ValueError) as err:
+        raise _damaged(kind, path, f"its attributes cannot be read ({_cause(err)})") from err
+    if complete is not True:
         raise ValueError(
             f"{kind} {path}: not marked complete: its {_MADE_BY[kind]} was killed or is still "
             "running; re-run it"
@@ -698,32 +707,40 @@ def _frame_dataset(
     sizes: list[int],
     store: str,
 ) -> xr.Dataset:
-    """Contract 2 from the reduced arrays and the store `ds` (of kind `store`) they come from."""
+    """Contract 2 from the reduced arrays and the store `ds` (of kind `store`) they come from;
+    every variable and coordinate with its long_name and units (`storage.VARIABLE_ATTRS`), the
+    attributes netCDF-safe (`storage.encode_attrs`)."""
     kind = STORE_NAMES[store]
     num_steps, num_heads, num_frames = logit_mean.shape[:3]
     frames = np.arange(num_frames)
     # The store's provenance, but its own completeness: marked when the dataset is written.
-    attrs = {k: v for k, v in ds.attrs.items() if k not in ("complete", ATTRIBUTES_CHECKSUM)}
+    attrs = {
+        k: v
+        for k, v in decoded_attrs(ds.attrs).items()
+        if k not in ("complete", ATTRIBUTES_CHECKSUM)
+    }
     attrs["store"] = store  # stores written before the attention store lack it
+    variables = {
+        "logit_mean": (FRAME_DIMS, logit_mean),
+        "prob_mass": (FRAME_DIMS, prob_mass),
+        "entropy": (FRAME_DIMS[:3], entropy),
+    }
+    coords = {
+        "step": ("step", np.arange(num_steps)),
+        "head": ("head", np.arange(num_heads)),
+        "query_frame": ("query_frame", frames),
+        "key_frame": ("key_frame", frames),
+        "timestep": ("step", np.asarray(_values(path, ds, "timestep", kind), np.float32)),
+        "pass_kind": ("step", _strings(_values(path, ds, "pass_kind", kind))),
+        "block": ("query_frame", block_of_frame(sizes)),
+        "checkpoint": ((), _strings(attrs.get("checkpoint", ""))),
+        "prompt": ((), _strings(attrs.get("prompt", ""))),
+        "layer": ((), int(attrs.get("layer", -1))),
+    }
     return xr.Dataset(
-        {
-            "logit_mean": (FRAME_DIMS, logit_mean),
-            "prob_mass": (FRAME_DIMS, prob_mass),
-            "entropy": (FRAME_DIMS[:3], entropy),
-        },
-        coords={
-            "step": np.arange(num_steps),
-            "head": np.arange(num_heads),
-            "query_frame": frames,
-            "key_frame": frames,
-            "timestep": ("step", np.asarray(_values(path, ds, "timestep", kind), np.float32)),
-            "pass_kind": ("step", _strings(_values(path, ds, "pass_kind", kind))),
-            "block": ("query_frame", block_of_frame(sizes)),
-            "checkpoint": _strings(attrs.get("checkpoint", "")),
-            "prompt": _strings(attrs.get("prompt", "")),
-            "layer": int(attrs.get("layer", -1)),
-        },
-        attrs=attrs,
+        {name: (*spec, dict(VARIABLE_ATTRS[name])) for name, spec in variables.items()},
+        coords={name: (*spec, dict(VARIABLE_ATTRS[name])) for name, spec in coords.items()},
+        attrs=encode_attrs(attrs),
     )
 
 

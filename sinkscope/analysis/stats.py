@@ -423,12 +423,24 @@ def write_summary(
         raise ValueError("write_summary needs at least one statistics CSV")
     tables = [read_stats(path) for path in paths]
     summary = summarize(tables)
-    _write_csv_atomically(summary, out_csv)
+    _write_csv_atomically(_frame_indices_as_in_runs(summary), out_csv)
     if html_table is not None:
         means = summary[summary["aggregate"] == "mean"].drop(columns=["prompt", "aggregate"])
         write_text_atomically(html_table, means.to_html(index=False, float_format="%.4g"))
     if sink_rate_csv is not None:
         _write_csv_atomically(sink_rates(pd.concat(tables), sink_threshold), sink_rate_csv)
+
+
+def _frame_indices_as_in_runs(summary: pd.DataFrame) -> pd.DataFrame:
+    """`summary` with the frame indices of its run rows as integers (empty where none), as the
+    runs' own tables write them; the across-prompt mean / std / count rows stay floats."""
+    summary = summary.copy()
+    runs = (summary["aggregate"] == "run").to_numpy()
+    for column in FRAME_COLUMNS:
+        values = summary[column].astype(object)
+        values[runs] = summary.loc[runs, column].astype("Int64").astype(object)
+        summary[column] = values
+    return summary
 
 
 def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:

@@ -22,7 +22,9 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 
 from sinkscope.storage import (
+    VARIABLE_ATTRS,
     checked_compressors,
+    encode_attrs,
     mark_complete,
     remove,
     replace,
@@ -111,7 +113,8 @@ def key_frame_runs(key_frames: np.ndarray) -> list[tuple[int, int, int]]:
 
 
 class _StoreWriter:
-    """What both stores share: the group with its attributes and step/frame coordinates, the
+    """What both stores share: the group with its attributes (netCDF-safe: `encode_attrs`), the
+    step, head and frame coordinates (every array with its long_name and units), the
     pooled frame-level mean logits (kept in memory, written at close), a background writer
     thread fed through a bounded queue, and the `.partial` -> complete -> rename protocol.
 
@@ -143,7 +146,7 @@ class _StoreWriter:
         self.num_tokens = num_frames * frame_seq_length
         self.num_steps = len(timesteps)
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
-        group.attrs.update(attrs)
+        group.attrs.update(encode_attrs(attrs))
         self._group = group
         self._create_arrays(group)
         # Small (steps x heads x F x F): kept in memory, written whole at close.
@@ -152,6 +155,8 @@ class _StoreWriter:
         )
         token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), frame_seq_length)
         coordinates = [
+            ("step", ("step",), np.arange(self.num_steps, dtype=np.int32)),
+            ("head", ("head",), np.arange(num_heads, dtype=np.int32)),
             ("timestep", ("step",), np.asarray(timesteps, dtype=np.float32)),
             ("pass_kind", ("step",), np.asarray(pass_kinds, dtype=str)),
             *self._coordinates(token_frame),
@@ -163,6 +168,7 @@ class _StoreWriter:
                 dtype=str if name == "pass_kind" else values.dtype,
                 dimension_names=dims,
                 compressors=checked_compressors(),
+                attributes=VARIABLE_ATTRS[name],
             )
             array[:] = values
         self.bytes_written = 0  # logical bytes of what the writer thread wrote
@@ -232,6 +238,7 @@ class _StoreWriter:
             fill_value=np.nan,
             dimension_names=POOLED_DIMS,
             compressors=checked_compressors(),
+            attributes=VARIABLE_ATTRS["logit_mean_pooled"],
         )
         pooled[:] = self.pooled
         self._finish(self._group)
@@ -298,7 +305,10 @@ class TokenStoreWriter(_StoreWriter):
             dtype="float16",
             fill_value=np.nan,
             dimension_names=LOGITS_DIMS,
-            attributes={"coordinates": "timestep pass_kind query_frame key_frame"},
+            attributes={
+                **VARIABLE_ATTRS["logits"],
+                "coordinates": "timestep pass_kind query_frame key_frame",
+            },
             # Only visible tiles are ever written, so zarr need not test each for all-NaN (that
             # test costs as much as compressing the tile).
             config={"write_empty_chunks": True},
@@ -358,7 +368,10 @@ class AttentionStoreWriter(_StoreWriter):
             dtype="float32",
             fill_value=np.nan,
             dimension_names=KEY_MASS_DIMS,
-            attributes={"coordinates": "timestep pass_kind key_frame"},
+            attributes={
+                **VARIABLE_ATTRS["key_mass"],
+                "coordinates": "timestep pass_kind key_frame",
+            },
         )
 
     def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
@@ -402,5 +415,6 @@ class AttentionStoreWriter(_StoreWriter):
             fill_value=np.nan,
             dimension_names=KEY_MASS_DIMS[:3],
             compressors=checked_compressors(),
+            attributes=VARIABLE_ATTRS["entropy"],
         )
         entropy[:] = self.entropy

@@ -5,7 +5,10 @@ Snakemake parses, so no torch.
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from pathlib import Path
+from typing import NamedTuple
 
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_model_config
@@ -136,6 +139,90 @@ def sampler_settings(config: dict, name: str) -> dict:
     return {**config["sampler"], **config["checkpoints"][name].get("sampler", {})}
 
 
+# A prompts file: one prompt a line, as Self-Forcing's prompt lists (MovieGenVideoBench.txt).
+PROMPT_NAME_WORDS = 5  # words of the prompt in its generated name
+PROMPT_NAME_CHARS = 40  # at most, for those words
+
+
+class FilePrompt(NamedTuple):
+    """A prompt of `prompts_file`: its generated name, its text and its line (1-based)."""
+
+    name: str
+    text: str
+    line: int
+
+
+def prompt_file_name(index: int, text: str, width: int = 3) -> str:
+    """`p{index}_{first words}`: the prompt's 0-based index among the file's prompts,
+    zero-padded to `width`, then up to PROMPT_NAME_WORDS words of its text (accents dropped,
+    lowercased, ASCII letters and digits only, joined by '_', at most PROMPT_NAME_CHARS
+    characters). Depends on nothing but these arguments (no library version), so the same file
+    always gives the same names; the index alone makes them unique."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    words = re.findall(r"[a-z0-9]+", ascii_text.lower())[:PROMPT_NAME_WORDS]
+    slug = ""
+    for word in words:
+        longer = f"{slug}_{word}" if slug else word
+        if len(longer) > PROMPT_NAME_CHARS:
+            break
+        slug = longer
+    if not slug and words:  # a first word longer than the limit: cut it
+        slug = words[0][:PROMPT_NAME_CHARS]
+    number = f"p{index:0{width}d}"
+    return f"{number}_{slug}" if slug else number
+
+
+def read_prompts_file(path: str | Path, limit: int | None = None) -> list[FilePrompt]:
+    """The prompts of a text file, one per line: surrounding whitespace stripped, blank lines and
+    lines starting with '#' skipped; the first `limit` prompts if given. Names come from
+    `prompt_file_name`, their index zero-padded to 3 digits or to the digits the file's whole
+    count needs (so `limit` does not change them)."""
+    path = Path(path)
+    try:
+        # Universal newlines (\n, \r\n, \r), as Python's `for line in file`; a BOM is dropped.
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ConfigError(f"prompts_file: not found: {path}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"prompts_file: {path}: not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(f"prompts_file: {path}: unreadable ({err.strerror})") from None
+    found = [
+        (number, line.strip())
+        for number, line in enumerate(text.split("\n"), start=1)
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    width = max(3, len(str(len(found) - 1)))
+    prompts = [
+        FilePrompt(prompt_file_name(index, line, width), line, number)
+        for index, (number, line) in enumerate(found)
+    ]
+    return prompts if limit is None else prompts[:limit]
+
+
+def merge_prompts_file(config: dict) -> dict:
+    """Add the prompts of `prompts_file` (first `prompts_limit`) after those of `prompts` and set
+    `config["prompts"]` to the result, which every rule then reads; returns it. Idempotent: a
+    name already there with the same text is kept. Raises ConfigError for an unreadable file or
+    a generated name that `prompts` gives another text."""
+    prompts = dict(config.get("prompts") or {})
+    path = config.get("prompts_file")
+    if path:
+        limit = config.get("prompts_limit")
+        limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+        for prompt in read_prompts_file(path, limit):
+            if prompt.name in prompts and prompts[prompt.name] != prompt.text:
+                raise ConfigError(
+                    f"prompts_file: {path} line {prompt.line} is named {prompt.name!r}, which "
+                    f"prompts.{prompt.name} gives another text; rename that prompt"
+                )
+            prompts[prompt.name] = prompt.text
+    config["prompts"] = prompts
+    return prompts
+
+
 def prompt_text(config: dict, name: str) -> str:
     entry = config["prompts"][name]
     return entry["text"] if isinstance(entry, dict) else entry
@@ -148,8 +235,11 @@ def prompt_embeddings(config: dict, name: str) -> str | None:
 
 
 def uses_text_encoder(config: dict) -> bool:
-    """Whether some prompt must be encoded (brings no precomputed embeddings)."""
-    return any(prompt_embeddings(config, name) is None for name in config["prompts"])
+    """Whether some prompt must be encoded (brings no precomputed embeddings); a prompts_file's
+    prompts always are."""
+    if config.get("prompts_file"):
+        return True
+    return any(prompt_embeddings(config, name) is None for name in config.get("prompts", {}))
 
 
 def is_demo_encoder(encoder: dict) -> bool:
