@@ -21,6 +21,7 @@ from sinkscope.wan.layout import INDEX_NAME, WEIGHTS_NAME, checkpoint_files, rea
 from sinkscope.workflow.entries import ConfigError, checkpoint_inputs
 
 from .conftest import TINY, make_tiny_model
+from .test_onboarding import WAN_13B_CONFIG
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -211,24 +212,7 @@ def test_real_1_3b_configs_of_both_formats(tmp_path):
     wan = tmp_path / "wan"
     wan.mkdir()
     # Wan2.1-T2V-1.3B's config.json: text_dim, patch_size, qk_norm fall back to WanModel defaults.
-    (wan / "config.json").write_text(
-        json.dumps(
-            {
-                "_class_name": "WanModel",
-                "_diffusers_version": "0.30.0",
-                "dim": 1536,
-                "eps": 1e-06,
-                "ffn_dim": 8960,
-                "freq_dim": 256,
-                "in_dim": 16,
-                "model_type": "t2v",
-                "num_heads": 12,
-                "num_layers": 30,
-                "out_dim": 16,
-                "text_len": 512,
-            }
-        )
-    )
+    (wan / "config.json").write_text(json.dumps(WAN_13B_CONFIG))
     diff = tmp_path / "diffusers"
     diff.mkdir()
     (diff / "config.json").write_text(
