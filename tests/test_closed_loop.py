@@ -12,7 +12,7 @@ import pytest
 import torch
 import xarray as xr
 
-from sinkscope.extraction.cache_policies import CachePolicy, DeepSinkKVCache, TopCKVCache
+from sinkscope.extraction.cache_policies import CachePolicy, DeepSinkKVCache
 from sinkscope.extraction.closed_loop import closed_loop, load_latents
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.sampling import Geometry, rollout
@@ -40,16 +40,8 @@ def _policy_rollout(model, text, policy: CachePolicy | None, geometry=LONG, on_p
             device="cpu",
             dtype=torch.float32,
         )
-
-    def hook(block, pass_index, kind, timestep):
-        for cache in caches or []:
-            if isinstance(cache, TopCKVCache):
-                cache.scoring = kind == "cache"
-        if on_pass is not None:
-            on_pass(block, pass_index, kind, timestep)
-
     latents = rollout(
-        model, text, geometry=geometry, seed=3, on_pass=hook, progress=False, caches=caches
+        model, text, geometry=geometry, seed=3, on_pass=on_pass, progress=False, caches=caches
     )
     return latents, caches
 
@@ -186,12 +178,7 @@ def test_top_c_cache_holds_exactly_the_chosen_tokens(tiny_text):
         observe(q)
 
     cache.update, cache.observe = spy_update, spy_observe
-
-    def hook(block, pass_index, kind, timestep):
-        for c in caches:
-            c.scoring = kind == "cache"
-
-    rollout(model, tiny_text, geometry=LONG, seed=3, on_pass=hook, progress=False, caches=caches)
+    rollout(model, tiny_text, geometry=LONG, seed=3, progress=False, caches=caches)
     # The first update of each block (later passes rewrite the same tokens).
     new_blocks = [seen[i] for i in range(len(seen)) if i == 0 or seen[i][0] != seen[i - 1][0]]
     assert len(new_blocks) == LONG.num_frames // own and len(scored) == len(new_blocks)

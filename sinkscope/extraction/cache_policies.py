@@ -157,7 +157,8 @@ class TopCKVCache:
     the new block: causal, as a real cache must choose. Kept tokens stay in time order, so with C
     at least the whole history the cache is the full cache, slot for slot.
 
-    `scoring` (set by the rollout's pass hook) says whether `observe` records that attention.
+    `scoring` (set by `begin_pass`: the cache-update pass) says whether `observe` records that
+    attention.
     `update` returns key tokens [M, heads]: each head has its own.
     """
 
@@ -248,6 +249,10 @@ class TopCKVCache:
             torch.cat([self.history_v, self.window_v[:, :filled]], dim=1),
             torch.cat([self.history_token, window_token[:, None].expand(-1, self.num_heads)]),
         )
+
+    def begin_pass(self, kind: str) -> None:
+        # top_c chooses by the attention of each block's cache-update pass.
+        self.scoring = kind == "cache"
 
     def observe(self, q: torch.Tensor) -> None:
         """In a scoring pass, record each visible key's mean attention over the queries q."""

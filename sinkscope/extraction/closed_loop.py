@@ -28,7 +28,7 @@ from sinkscope.frames import block_sizes
 from sinkscope.storage import atomic_path, write_text_atomically
 from sinkscope.tables import DEVIATION_COLUMNS
 
-from .cache_policies import FRAME_POLICIES, CachePolicy, TopCKVCache
+from .cache_policies import FRAME_POLICIES, CachePolicy
 from .capture import LogitCapture
 from .job import RolloutPlan, loaded_job, plan_stores
 from .sampling import rollout
@@ -193,7 +193,6 @@ def closed_loop(
             device=device,
             dtype=dtype,
         )
-        scorers = [cache for cache in caches if isinstance(cache, TopCKVCache)]
         with contextlib.ExitStack() as stack:
             capture = None
             if layers:
@@ -202,13 +201,6 @@ def closed_loop(
                 by_layer = dict(zip(layers, writers, strict=True))
                 capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)
                 model.set_capture(capture, capture.layers)
-
-            def on_pass(block: int, pass_index: int, kind: str, timestep: float) -> None:
-                # top_c chooses by the attention of each block's cache-update pass.
-                for cache in scorers:
-                    cache.scoring = kind == "cache"
-                if capture is not None:
-                    capture.begin_pass(block, pass_index, kind, timestep)
 
             log.info(
                 "closed loop: %s, %d latent frames (%d blocks) of %s / %s",
@@ -227,7 +219,7 @@ def closed_loop(
                     seed=plan.seed,
                     device=device,
                     dtype=dtype,
-                    on_pass=on_pass,
+                    on_pass=capture.begin_pass if capture is not None else None,
                     progress=progress,
                     caches=caches,
                 )[0]

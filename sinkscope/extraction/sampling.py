@@ -170,6 +170,8 @@ def rollout(
         for pass_index, (timestep, kind) in enumerate(zip(timesteps, kinds, strict=True)):
             if on_pass is not None:
                 on_pass(block, pass_index, kind, timestep)
+            for cache in caches:
+                cache.begin_pass(kind)
             bar.set_postfix(block=f"{block + 1}/{len(sizes)}", t=f"{timestep:g}")
             t = torch.full((1, size), timestep, device=device, dtype=torch.float32)
             if kind == "cache":

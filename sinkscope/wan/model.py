@@ -118,6 +118,10 @@ class KVCache:
         visible = slice(max(0, local_end - self.max_attention_size), local_end)
         return self.k[:, visible], self.v[:, visible], self.slot_token[visible]
 
+    def begin_pass(self, kind: str) -> None:
+        """Told before every model call of a rollout which kind of pass it is (`denoise` or
+        `cache`); caches that choose by the attention of one kind of pass listen."""
+
     def observe(self, q: torch.Tensor) -> None:
         """See the queries [B, n, H, D] that attend to what `update` returned; caches that choose
         what to keep by attention (sinkscope.extraction.cache_policies) record it here."""
