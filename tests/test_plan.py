@@ -68,3 +68,18 @@ def test_a_dry_run_prints_the_plan_and_jobs_declare_their_disk(tmp_path):
     for rule, megabytes in disk.items():
         block = re.search(rf"rule {rule}:\n(?:    .*\n)*", result.stdout).group(0)
         assert f"disk_mb={megabytes}" in block, block
+
+
+def test_the_plan_bounds_what_the_job_claims_with_a_lone_first_frame():
+    """[1, 3, 3, ...] stores chunk one query frame at a time (frames.attention_chunk_frames):
+    the plan's bound is the one the survey job claims, not the smaller one of 3-frame chunks."""
+
+    def lone(config):
+        config["video"].update(independent_first_frame=True, num_frames=19)
+        config["closed_loop"].update(num_frames=43)
+
+    config = checked(lone)
+    claimed = attention_store_disk_bytes(
+        num_passes=5, num_heads=4, num_frames=19, frame_seq_length=24, frames_per_block=1
+    )
+    assert plan.job_disk_bytes(config, "demo_a", "survey", layers=2) == 2 * claimed

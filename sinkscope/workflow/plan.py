@@ -11,23 +11,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sinkscope.frames import (
+    attention_chunk_frames,
     attention_store_disk_bytes,
-    block_sizes,
     export_bytes,
     token_store_disk_bytes,
 )
-from sinkscope.passes import resolve_passes
 
 from .entries import (
     CLOSED_LOOP_FRAME_POLICIES,
     closed_loop_policies,
     closed_loop_runs,
     export_layers,
-    model_config,
-    sampler_settings,
     survey_layers,
     token_layers,
 )
+from .resources import store_geometry
 
 LATENT_CHANNELS = 16
 
@@ -45,47 +43,37 @@ class Family:
         return sum(self.jobs.values())
 
 
-def _geometry(config: dict, name: str, num_frames: int | None = None):
-    model = model_config(config, name)
-    video = config["video"]
-    frames = num_frames or video["num_frames"]
-    sizes = block_sizes(
-        frames, video["frames_per_block"], video.get("independent_first_frame", False)
-    )
-    tokens = model.tokens_per_frame(video["latent_height"], video["latent_width"])
-    return model, frames, sizes, tokens
-
-
 def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames=None) -> int:
     """Upper bound of what one job of checkpoint `name` writes: `extract` (one token store),
     `survey` (`layers` attention stores), `closed_loop` (latents and `layers` attention stores
     of a rollout of `frames` latent frames)."""
-    model, num_frames, sizes, tokens = _geometry(config, name, frames)
-    sampler = sampler_settings(config, name)
-    passes = len(resolve_passes(config["capture"]["passes"], len(sampler["steps"])))
+    g = store_geometry(config, name, frames)
     attention = attention_store_disk_bytes(
-        num_passes=passes,
-        num_heads=model.num_heads,
-        num_frames=num_frames,
-        frame_seq_length=tokens,
-        frames_per_block=config["video"]["frames_per_block"],
+        num_passes=g.num_passes,
+        num_heads=g.num_heads,
+        num_frames=g.num_frames,
+        frame_seq_length=g.frame_seq_length,
+        # the chunking the job uses ([1, 3, 3, ...]: one query frame per chunk)
+        frames_per_block=attention_chunk_frames(g.sizes),
     )
     if job == "extract":
         if not config["capture"]["tokens"]:
             return 0
         return token_store_disk_bytes(
-            num_passes=passes,
-            num_heads=model.num_heads,
-            frame_seq_length=tokens,
-            sizes=sizes,
-            local_attn_size=sampler["local_attn_size"],
-            sink_size=sampler["sink_size"],
+            num_passes=g.num_passes,
+            num_heads=g.num_heads,
+            frame_seq_length=g.frame_seq_length,
+            sizes=g.sizes,
+            local_attn_size=g.local_attn_size,
+            sink_size=g.sink_size,
         )
     if job == "survey":
         return layers * attention
     if job == "closed_loop":
         video = config["video"]
-        latents = LATENT_CHANNELS * num_frames * video["latent_height"] * video["latent_width"] * 4
+        latents = (
+            LATENT_CHANNELS * g.num_frames * video["latent_height"] * video["latent_width"] * 4
+        )
         return latents + layers * attention
     raise ValueError(f"unknown job kind {job!r}")
 
@@ -124,12 +112,12 @@ def storage_plan(config: dict) -> list[Family]:
     exports = Family("exports (snakemake export only)", "results/export")
     exported = export_layers(config)
     for c in checkpoints:
-        model, num_frames, sizes, tokens_per_frame = _geometry(config, c)
+        g = store_geometry(config, c)
         per_layer = export_bytes(
-            num_heads=model.num_heads,
-            frame_seq_length=tokens_per_frame,
-            num_frames=num_frames,
-            last_block_frames=sizes[-1],
+            num_heads=g.num_heads,
+            frame_seq_length=g.frame_seq_length,
+            num_frames=g.num_frames,
+            last_block_frames=g.sizes[-1],
         )
         for p in prompts:
             exports.jobs[f"export_run {c}/{p}"] = len(exported) * (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sinkscope.frames import attention_store_bytes, block_sizes, export_bytes, token_store_bytes
 from sinkscope.passes import resolve_passes
@@ -39,35 +40,65 @@ def files_mb(paths: Sequence[str]) -> float:
     return sum(os.path.getsize(path) for path in paths if os.path.isfile(path)) / 1e6
 
 
-def layer_store_bytes(config: dict, name: str) -> int:
-    """Uncompressed bytes of one token store (one layer, one prompt) of checkpoint `name`."""
-    if not config["capture"]["tokens"]:
-        return 0
+@dataclass(frozen=True)
+class StoreGeometry:
+    """What the size of a store of checkpoint `name` depends on, read from the config once."""
+
+    num_passes: int  # captured passes per block
+    num_heads: int
+    frame_seq_length: int
+    sizes: list[int]  # block sizes
+    local_attn_size: int
+    sink_size: int
+
+    @property
+    def num_frames(self) -> int:
+        return sum(self.sizes)
+
+
+def store_geometry(config: dict, name: str, num_frames: int | None = None) -> StoreGeometry:
+    """The geometry of checkpoint `name`'s stores, of `num_frames` latent frames if given
+    (the closed loop's), else video.num_frames."""
     model = model_config(config, name)
     sampler = sampler_settings(config, name)
     video = config["video"]
-    return token_store_bytes(
+    return StoreGeometry(
         num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
         sizes=block_sizes(
-            video["num_frames"], video["frames_per_block"], video["independent_first_frame"]
+            num_frames or video["num_frames"],
+            video["frames_per_block"],
+            video["independent_first_frame"],
         ),
         local_attn_size=sampler["local_attn_size"],
         sink_size=sampler["sink_size"],
     )
 
 
+def layer_store_bytes(config: dict, name: str) -> int:
+    """Uncompressed bytes of one token store (one layer, one prompt) of checkpoint `name`."""
+    if not config["capture"]["tokens"]:
+        return 0
+    g = store_geometry(config, name)
+    return token_store_bytes(
+        num_passes=g.num_passes,
+        num_heads=g.num_heads,
+        frame_seq_length=g.frame_seq_length,
+        sizes=g.sizes,
+        local_attn_size=g.local_attn_size,
+        sink_size=g.sink_size,
+    )
+
+
 def survey_store_bytes(config: dict, name: str) -> int:
     """Uncompressed bytes of the attention stores of one survey job (every surveyed layer)."""
-    model = model_config(config, name)
-    sampler = sampler_settings(config, name)
-    video = config["video"]
+    g = store_geometry(config, name)
     one = attention_store_bytes(
-        num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
-        num_heads=model.num_heads,
-        num_frames=video["num_frames"],
-        frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
+        num_passes=g.num_passes,
+        num_heads=g.num_heads,
+        num_frames=g.num_frames,
+        frame_seq_length=g.frame_seq_length,
     )
     return one * len(survey_layers(config))
 
@@ -102,16 +133,12 @@ def closed_loop_runtime(config: dict, name: str) -> int:
 def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:
     """Minutes: the token-sized exports of `layers` (scratch, then the file) at WRITE_MB_PER_S;
     one head's softmax over the last block takes about a second."""
-    model = model_config(config, name)
-    video = config["video"]
-    sizes = block_sizes(
-        video["num_frames"], video["frames_per_block"], video["independent_first_frame"]
-    )
+    g = store_geometry(config, name)
     per_layer = export_bytes(
-        num_heads=model.num_heads,
-        frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
-        num_frames=video["num_frames"],
-        last_block_frames=sizes[-1],
+        num_heads=g.num_heads,
+        frame_seq_length=g.frame_seq_length,
+        num_frames=g.num_frames,
+        last_block_frames=g.sizes[-1],
     )
     token_mb = sum(v for k, v in per_layer.items() if k != "frames") * len(layers) / 1e6
     return REDUCE_SETUP_MINUTES + math.ceil(2 * token_mb / WRITE_MB_PER_S / 60)
