@@ -58,6 +58,15 @@ class CachePolicy:
             )
 
     @property
+    def window(self) -> tuple[int, int]:
+        """Self-Forcing's (local_attn_size, sink_size) of the frames a frame-level policy keeps:
+        (-1, 0) for the full cache; deep_sink keeps sink_window's frames."""
+        if self.name == "full":
+            return -1, 0
+        sinks = self.sink_frames if self.name in ("sink_window", "deep_sink") else 0
+        return self.budget, sinks
+
+    @property
     def label(self) -> str:
         """What plots and logs call it: `deep_sink B=9 S=3`."""
         if self.name == "full":
@@ -79,12 +88,13 @@ class CachePolicy:
         """One cache per layer of `model` that keeps what this policy keeps."""
         self.check(frames_per_block)
         common = {"frame_seq_length": frame_seq_length, "device": device, "dtype": dtype}
-        if self.name == "full":
-            return model.new_kv_caches(num_frames=num_frames, **common)
-        if self.name in ("window", "sink_window"):
-            sinks = self.sink_frames if self.name == "sink_window" else 0
+        if self.name in ("full", "window", "sink_window"):
+            local_attn_size, sink_size = self.window
             return model.new_kv_caches(
-                num_frames=num_frames, local_attn_size=self.budget, sink_size=sinks, **common
+                num_frames=num_frames,
+                local_attn_size=local_attn_size,
+                sink_size=sink_size,
+                **common,
             )
         cfg = model.config
         if self.name == "deep_sink":

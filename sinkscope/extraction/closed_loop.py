@@ -134,10 +134,8 @@ def _check_reference(path: str | Path, latents: torch.Tensor, mine: dict, theirs
 
 def _cache_plan(plan: RolloutPlan, policy: CachePolicy) -> RolloutPlan:
     """The plan as the attention stores record it: the window and sinks the policy keeps."""
-    if policy.name == "full":
-        return replace(plan, local_attn_size=-1, sink_size=0)
-    sinks = policy.sink_frames if policy.name in ("sink_window", "deep_sink") else 0
-    return replace(plan, local_attn_size=policy.budget, sink_size=sinks)
+    local_attn_size, sink_size = policy.window
+    return replace(plan, local_attn_size=local_attn_size, sink_size=sink_size)
 
 
 def closed_loop(
