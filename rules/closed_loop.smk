@@ -14,7 +14,7 @@ rule closed_loop_reference:
         "results/logs/closed_loop/{checkpoint}/{prompt}/full.log",
     conda:
         "../envs/extract.yaml"
-    threads: 1
+    threads: EXTRACT_THREADS
     resources:
         gpu=GPU_PER_JOB,
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),

@@ -1,4 +1,5 @@
 # Config checks that need files or model facts, names used by every rule, input functions.
+import os
 import re
 import sys
 
@@ -25,6 +26,7 @@ from sinkscope.workflow.params import (
     canonical,
     closed_loop_settings,
     extraction_gpus,
+    extraction_threads,
     extraction_settings,
     prompt_encoder,
     prompt_inputs,
@@ -40,6 +42,9 @@ from sinkscope.workflow.resources import (
     reduce_runtime,
     survey_runtime,
 )
+
+# For envs/*.post-deploy.sh, which install this checkout into the --sdm conda envs.
+os.environ.setdefault("SINKSCOPE_SOURCE", workflow.basedir)
 
 try:
     check_config(config)
@@ -96,6 +101,7 @@ CLOSED_LOOP_FIGURES = (
 
 # What each extraction job claims of the `gpu` resource: nothing for CPU jobs on this machine.
 GPU_PER_JOB = extraction_gpus(config, workflow.local_exec)
+EXTRACT_THREADS = extraction_threads(config, workflow.local_exec)
 
 # Before any job runs (and with -n): what the run will write and where; once, not in cluster jobs.
 if not (workflow.remote_exec or workflow.subprocess_exec):

@@ -13,7 +13,7 @@ rule extract:
         "results/logs/extract/{checkpoint}/{prompt}/layer{layer}.log",
     conda:
         "../envs/extract.yaml"
-    threads: 1
+    threads: EXTRACT_THREADS
     resources:
         gpu=GPU_PER_JOB,
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
@@ -42,7 +42,7 @@ if SURVEY_LAYERS:
             "results/logs/survey/{checkpoint}/{prompt}.log",
         conda:
             "../envs/extract.yaml"
-        threads: 1
+        threads: EXTRACT_THREADS
         resources:
             gpu=GPU_PER_JOB,
             mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),

@@ -1,5 +1,7 @@
 # Frame datasets (and recall tables, attention stores) -> figures per run and across runs, as the
 # figure registry (sinkscope/analysis/figures.py) declares them: file names, captions, layers.
+# One job per run draws its layer, run, policy and survey figures, and one job the figures across
+# runs (fewer, larger jobs: most of a figure job is Python and matplotlib start-up).
 # Every figure is marked for the Snakemake report (`snakemake --report report.html`): category
 # "Figures", one subcategory per run and one across runs, labels `figure` and `layer` (0-based).
 
@@ -8,7 +10,11 @@ rule figures:
     input:
         frames=expand(
             "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
-            layer=RUN_FIGURE_LAYERS,
+            layer=sorted(set(RUN_FIGURE_LAYERS) | set(SURVEY_LAYERS)),
+        ),
+        attention=expand(
+            "results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
+            layer=SURVEY_LAYERS,
         ),
         policies="results/policies/{checkpoint}/{prompt}.csv",
     output:
@@ -20,7 +26,7 @@ rule figures:
                 subcategory="{checkpoint} / {prompt}",
                 labels=figure.labels,
             )
-            for figure in RUN_FIGURES + POLICY_FIGURES
+            for figure in RUN_FIGURES + POLICY_FIGURES + SURVEY_FIGURES
         ],
     log:
         "results/logs/figures/{checkpoint}/{prompt}.log",
@@ -29,6 +35,9 @@ rule figures:
     params:
         figures=canonical(config["figures"]),
         policies=canonical(config["policies"]),
+        stats=canonical(config["stats"]),
+        figure_layers=RUN_FIGURE_LAYERS,
+        survey_layers=SURVEY_LAYERS,
     script:
         "../scripts/figures.py"
 
@@ -39,7 +48,7 @@ rule compare_figures:
             "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
-            layer=HEAD_LAYERS,
+            layer=sorted(set(HEAD_LAYERS) | set(SURVEY_LAYERS)),
         ),
     output:
         [
@@ -50,7 +59,7 @@ rule compare_figures:
                 subcategory="across checkpoints and prompts",
                 labels=figure.labels,
             )
-            for figure in COMPARE_FIGURES
+            for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES
         ],
     log:
         "results/logs/figures/compare.log",
@@ -58,72 +67,8 @@ rule compare_figures:
         "../envs/analysis.yaml"
     params:
         figures=canonical(config["figures"]),
+        stats=canonical(config["stats"]),
+        figure_layers=HEAD_LAYERS,
+        survey_layers=SURVEY_LAYERS,
     script:
         "../scripts/figures.py"
-
-
-if SURVEY_LAYERS:
-
-    rule survey_figures:
-        input:
-            frames=expand(
-                "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
-                layer=SURVEY_LAYERS,
-            ),
-            attention=expand(
-                "results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr",
-                layer=SURVEY_LAYERS,
-            ),
-        output:
-            [
-                report(
-                    figure.path,
-                    caption=f"../report/{figure.kind.caption}",
-                    category="Figures",
-                    subcategory="{checkpoint} / {prompt}",
-                    labels=figure.labels,
-                )
-                for figure in SURVEY_FIGURES
-            ],
-        log:
-            "results/logs/figures/{checkpoint}/{prompt}.survey.log",
-        conda:
-            "../envs/analysis.yaml"
-        params:
-            figures=canonical(config["figures"]),
-            stats=canonical(config["stats"]),
-        script:
-            "../scripts/figures.py"
-
-    rule compare_survey_figures:
-        input:
-            frames=expand(
-                "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
-                checkpoint=CHECKPOINTS,
-                prompt=PROMPTS,
-                layer=SURVEY_LAYERS,
-            ),
-        output:
-            [
-                report(
-                    figure.path,
-                    caption=f"../report/{figure.kind.caption}",
-                    category="Figures",
-                    subcategory="across checkpoints and prompts",
-                    labels=figure.labels,
-                )
-                for figure in SURVEY_COMPARE_FIGURES
-            ],
-        log:
-            "results/logs/figures/compare.survey.log",
-        conda:
-            "../envs/analysis.yaml"
-        params:
-            figures=canonical(config["figures"]),
-            stats=canonical(config["stats"]),
-        script:
-            "../scripts/figures.py"
-
-    localrules:
-        survey_figures,
-        compare_survey_figures,

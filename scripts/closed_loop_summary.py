@@ -1,7 +1,8 @@
 """Snakemake adapter: rule closed_loop_summary (Contract 6). Inputs: deviation= (the deviation
 table of every closed-loop run and policy), policies= (the recall tables of those runs); outputs:
 summary= (the summary CSV) and the closed-loop figures (every other output, named as the figure
-registry names them); params: train_frames= (latent frames of the training length), figures=."""
+registry names them); params: train_frames= (latent frames of the training length), figures=
+(its `titles`)."""
 
 from sinkscope.analysis.closed_loop import write_closed_loop_summary
 from sinkscope.analysis.plots import render_figures
@@ -26,4 +27,5 @@ with job_log(snakemake.log[0]):
         deviation_tables=deviation,
         closed_loop_summary=summary,
         train_frames=train_frames,
+        titles=snakemake.params.figures.get("titles", True),
     )

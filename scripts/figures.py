@@ -1,8 +1,10 @@
-"""Snakemake adapter: rules figures, compare_figures, survey_figures and the policy figures (each
-output file names its figure). Inputs: frames= (frame datasets), attention= (attention stores,
-survey figures only), policies= (the run's recall table, policy figures only); params: figures=,
-stats= where the figures read its thresholds (survey figures), policies= where the policy figures
-read their budget (key `budget`, optional)."""
+"""Snakemake adapter: rules figures (a run's layer, run, policy and survey figures) and
+compare_figures (each output file names its figure). Inputs: frames= (frame datasets),
+attention= (attention stores, survey figures only), policies= (the run's recall table, policy
+figures only); params: figures=, stats= where the figures read its thresholds (survey figures),
+figure_layers= and survey_layers= (the layers the other figures and the survey figures show:
+the frame datasets hold both), policies= where the policy figures read
+their budget (key `budget`, optional)."""
 
 from sinkscope.analysis.plots import render_figures
 from sinkscope.logs import job_log
@@ -28,6 +30,8 @@ with job_log(snakemake.log[0]):
         annotate=options.get("annotate", ["max"]),
         titles=options.get("titles", True),
         shared_scale=options.get("shared_scale", True),
+        figure_layers=snakemake.params.get("figure_layers"),
+        survey_layers=snakemake.params.get("survey_layers"),
         attention_stores=paths("attention"),
         policy_tables=paths("policies"),
         policy_budget=policies.get("budget"),

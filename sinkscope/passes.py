@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def resolve_passes(spec: str | int | Sequence[int | str], num_steps: int) -> list[int]:
+def resolve_passes(
+    spec: str | int | Sequence[int | str], num_steps: int, key: str = "capture.passes"
+) -> list[int]:
     """Pass indices within a block (0..num_steps-1 denoising steps, num_steps = cache pass).
 
-    spec: 'all', 'cache', 'last' (the last denoising step), an index, or a list of those.
+    spec: 'all', 'cache', 'last' (the last denoising step), an index, or a list of those; `key`
+    names the setting in errors.
     """
     cache = num_steps
     if isinstance(spec, str | int):
@@ -29,7 +32,7 @@ def resolve_passes(spec: str | int | Sequence[int | str], num_steps: int) -> lis
             chosen.add(item)
         else:
             raise ValueError(
-                f"capture.passes: {item!r} is not 'all', 'cache', 'last' or a pass index "
+                f"{key}: {item!r} is not 'all', 'cache', 'last' or a pass index "
                 f"0..{cache} ({num_steps} denoising steps, then the cache pass)"
             )
     return sorted(chosen)

@@ -460,6 +460,22 @@ def test_recall_figure_with_nothing_to_draw():
     assert "demo · cat" in fig.get_suptitle()
 
 
+def test_closed_loop_figures_without_titles_leave_out_a_single_run():
+    """`figures.titles: false`: a single run is named in neither figure (the caption names it);
+    several runs keep their panel titles and point names, which tell them apart."""
+    one = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
+    for titles in (True, False):
+        (ax,) = plots.plot_closed_loop_deviation(one, titles=titles).axes
+        assert ax.get_title() == ("demo · cat" if titles else "")
+        summary = closed_loop.closed_loop_summary(one, pd.DataFrame(), TRAIN_FRAMES)
+        suptitle = plots.plot_closed_loop_recall(summary, titles=titles).get_suptitle()
+        assert ("demo · cat" in suptitle) == titles
+        assert "one point per policy" in suptitle
+    two = pd.concat([one, deviation_table("demo", "dog", "window", 4, 0, 0, seed=4)])
+    fig = plots.plot_closed_loop_deviation(two, titles=False)
+    assert [ax.get_title() for ax in fig.axes] == ["demo · cat", "demo · dog"]
+
+
 # --------------------------------------------------------------------------------------------
 # files
 

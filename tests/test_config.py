@@ -309,9 +309,14 @@ def test_cpu_jobs_on_this_machine_claim_no_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(params, "host_has_gpu", lambda: False)
     assert extraction_gpus(config, local=True) == 0
     assert extraction_gpus(config, local=False) == 1  # a cluster node decides for itself
+    # One CPU for a CPU job (jobs side by side); a GPU job's store writer gets its own.
+    assert params.extraction_threads(config, local=True) == 1
+    assert params.extraction_threads(config, local=False) == params.GPU_JOB_THREADS == 2
     monkeypatch.setattr(params, "host_has_gpu", lambda: True)
     assert extraction_gpus(config, local=True) == 1
+    assert params.extraction_threads(config, local=True) == 2
     assert extraction_gpus({**config, "device": "cpu"}, local=False) == 0
+    assert params.extraction_threads({**config, "device": "cpu"}, local=False) == 1
     monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "2")
     assert real_host_has_gpu()
     monkeypatch.setenv("SINKSCOPE_FAKE_GPUS", "")

@@ -103,6 +103,9 @@ def test_self_forcing_example_runs_end_to_end(example_root):
     assert store.attrs["checkpoint"] == "self_forcing_dmd" and store.attrs["num_heads"] == 10
     config = decoded_attrs(store)["config"]
     assert config["checkpoint"]["generator"] == "checkpoints/self_forcing_dmd.pt"
+    # capture.token_passes: 0 -- the token store holds pass 0 (t=1000) alone, while the frame
+    # dataset of the surveyed layer 4 (from its attention store) has every pass.
+    assert store.sizes["step"] == 1 and store["timestep"].values.tolist() == [1000.0]
     frames = xr.open_zarr(results / "frames/self_forcing_dmd/eagle/layer4.zarr")
     assert frames.sizes == {"step": 5, "head": 10, "query_frame": 6, "key_frame": 6}
     svg = (results / "figures/self_forcing_dmd/eagle/figure4.svg").read_text()

@@ -83,3 +83,124 @@ def test_the_plan_bounds_what_the_job_claims_with_a_lone_first_frame():
         num_passes=5, num_heads=4, num_frames=19, frame_seq_length=24, frames_per_block=1
     )
     assert plan.job_disk_bytes(config, "demo_a", "survey", layers=2) == 2 * claimed
+
+
+def test_token_passes_write_the_token_stores_of_fewer_passes():
+    """`capture.token_passes: 0`: the token stores (their job's params, the plan, the runtime)
+    hold pass 0 alone while the survey keeps every pass; unset, nothing changes (no rerun)."""
+    from sinkscope.workflow import params, resources
+
+    default = checked()
+    assert "token_passes" not in default["capture"]
+    settings = params.extraction_settings(default, "demo_a")
+    assert settings["capture"] == {"passes": "all", "tokens": True}
+    config = checked(overridden({"capture": {"token_passes": 0}}))
+    tokens = params.extraction_settings(config, "demo_a")
+    survey = params.extraction_settings(config, "demo_a", store="attention")
+    assert tokens["capture"] == {"passes": 0, "tokens": True}
+    assert survey["capture"] == default_survey_capture(default) == {"passes": "all"}
+    one_pass = token_store_disk_bytes(
+        num_passes=1,
+        num_heads=4,
+        frame_seq_length=24,
+        sizes=[3] * 7,
+        local_attn_size=-1,
+        sink_size=0,
+    )
+    families = {f.name: f for f in plan.storage_plan(config)}
+    assert set(families["token stores"].jobs.values()) == {one_pass}
+    assert (
+        families["attention stores"].jobs
+        == {f.name: f for f in plan.storage_plan(default)}["attention stores"].jobs
+    )
+    assert resources.layer_store_bytes(config, "demo_a") * 5 == resources.layer_store_bytes(
+        default, "demo_a"
+    )
+
+
+def overridden(overrides: dict):
+    """A `checked` change that sets the keys of `overrides` (one level of nesting)."""
+
+    def change(config: dict) -> None:
+        for key, value in overrides.items():
+            config.setdefault(key, {}).update(value)
+
+    return change
+
+
+def default_survey_capture(config: dict) -> dict:
+    from sinkscope.workflow import params
+
+    return params.extraction_settings(config, "demo_a", store="attention")["capture"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"capture": {"token_passes": "cache"}}, r"token_passes: passes \[4\] must be the first"),
+        ({"capture": {"token_passes": 9}}, r"capture.token_passes: 9 is not 'all'"),
+        (
+            {"capture": {"token_passes": 0, "survey": [2]}, "figures": {"step": 2}},
+            r"figures.step=2 but the token stores of layers \[0\] \(not surveyed\) capture only 1",
+        ),
+        (
+            {"capture": {"token_passes": [0, 1]}, "export": {"step": 3}},
+            r"export.step=3 but the token stores capture only 2 passes",
+        ),
+    ],
+)
+def test_token_passes_refusals(overrides, message):
+    from sinkscope.workflow.entries import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        checked(overridden(overrides))
+
+
+def test_parameter_count_is_the_models():
+    """`WanConfig.num_parameters` (no torch, for the plan) against the published 1.3B count and
+    torch's count of the built model, real width on the meta device and a tiny one for real."""
+    import torch
+
+    from sinkscope.wan.config import WanConfig
+    from sinkscope.wan.model import WanModel
+
+    assert WanConfig().num_parameters == 1_418_996_800
+    with torch.device("meta"):
+        real = WanModel(WanConfig())
+    assert sum(p.numel() for p in real.parameters()) == WanConfig().num_parameters
+    tiny = WanConfig(dim=60, ffn_dim=64, num_heads=10, num_layers=5, freq_dim=16, text_dim=32)
+    assert sum(p.numel() for p in WanModel(tiny).parameters()) == tiny.num_parameters
+
+
+def test_gpu_estimate_of_the_1_3b_example(tmp_path, monkeypatch):
+    """The plan's GPU memory estimate of examples/self_forcing_dmd.yaml: 1.3B weights in bf16 and
+    Self-Forcing's 6.04 GB KV cache (30 layers x k, v x 32760 tokens x 1536 x 2 bytes), which a
+    local window shrinks to its frames."""
+    import json
+
+    import yaml
+    from snakemake.utils import validate
+
+    from sinkscope.workflow import resources
+
+    from .test_onboarding import WAN_13B_CONFIG
+    from .workflowtools import REPO
+
+    base = tmp_path / "wan_models" / "Wan2.1-T2V-1.3B"
+    base.mkdir(parents=True)
+    (base / "config.json").write_text(json.dumps(WAN_13B_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((REPO / "examples" / "self_forcing_dmd.yaml").read_text())
+    validate(config, str(REPO / "schemas" / "config.schema.yaml"))
+    extract = resources.gpu_memory_bytes(config, "self_forcing_dmd", "extract")
+    assert extract["weights"] == 2 * 1_418_996_800
+    assert extract["kv_cache"] == 30 * 2 * 32760 * 1536 * 2 == 6_038_323_200
+    assert extract["capture"] == 1560 * 32760 * (4 + 2)
+    survey = resources.gpu_memory_bytes(config, "self_forcing_dmd", "survey")
+    assert survey["capture"] == 1560 * 32760 * 8
+    assert survey["total"] == sum(v for k, v in survey.items() if k != "total")
+    assert 10e9 < survey["total"] < 12e9
+    config["sampler"]["local_attn_size"] = 6
+    windowed = resources.gpu_memory_bytes(config, "self_forcing_dmd", "survey")
+    assert windowed["kv_cache"] == 30 * 2 * 6 * 1560 * 1536 * 2
+    assert "GPU memory (estimate, bf16): about" in plan.format_plan(config)

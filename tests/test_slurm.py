@@ -16,6 +16,7 @@ from snakemake.utils import validate
 from sinkscope.extraction.closed_loop import load_latents
 from sinkscope.storage import decoded_attrs
 from sinkscope.workflow.entries import checkpoint_inputs
+from sinkscope.workflow.params import GPU_JOB_THREADS
 from sinkscope.workflow.resources import (
     closed_loop_runtime,
     extract_mem_mb,
@@ -42,7 +43,8 @@ def slurm_run(tmp_path_factory):
     skip_unless_slurm()
     root = tmp_path_factory.mktemp("slurm")
     workdir = copy_workflow(root / "w")
-    with one_node_cluster(root / "cluster", gpus=2) as cluster:
+    # Four CPUs advertised: two GPU jobs of GPU_JOB_THREADS CPUs each fit side by side.
+    with one_node_cluster(root / "cluster", gpus=2, cpus=4) as cluster:
         env = cluster.command_env(
             {
                 **os.environ,
@@ -92,6 +94,9 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     for record in rules["extract"] + rules["encode_prompt"] + rules["survey"] + loop:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record
+    for record in rules["extract"] + rules["survey"] + loop:
+        # A CPU for the store writer beside the one feeding the GPU (params.extraction_threads).
+        assert record["CPUs/Task"] == str(GPU_JOB_THREADS), record
     # Memory and time as the rule computed them from the sizes (sinkscope.workflow.resources),
     # once the demo checkpoint they load existed.
     config = yaml.safe_load((workdir / "config.yaml").read_text())

@@ -473,6 +473,48 @@ def test_survey_shows_the_surveyed_layers(tmp_path):
     assert "3" in svg_texts(out / "survey_first_frame.svg")  # layer 3 on the axis
 
 
+def test_one_call_draws_a_run_and_its_survey_as_two_would(tmp_path):
+    """The figures rule draws a run's figures (token layers 0 and 2) and its survey (layers 1-3)
+    in one job from the union of their frame datasets: `figure_layers` keeps layers 1 and 3 out
+    of the run's figures (and of the layer figures' shared colour scale), `survey_layers` keeps
+    layer 0 out of the survey. Every file has the bytes of two separate calls; without
+    `survey_layers` the compare survey would take in layer 0."""
+    stores, datasets = make_run(4, num_heads=2)
+    attention, frame_paths = write_run(tmp_path, stores, datasets)
+    heads = [(0, 0), (2, 1)]
+    run_layers, surveyed = [0, 2], [1, 2, 3]
+
+    def outputs(folder: Path) -> tuple[list[str], list[str]]:
+        run = [f.path for f in figures.run_figures(str(folder), run_layers, [0, 2], "svg")]
+        run += [f.path for f in figures.survey_figures(str(folder), surveyed, "svg")]
+        compare = [f.path for f in figures.survey_compare_figures(str(folder), surveyed, "svg")]
+        return run, compare
+
+    one_run, one_compare = outputs(tmp_path / "one")
+    plots.render_figures(
+        frame_paths,
+        one_run,
+        heads=heads,
+        attention_stores=attention[1:],
+        figure_layers=run_layers,
+        survey_layers=surveyed,
+    )
+    plots.render_figures(frame_paths, one_compare, heads=heads, survey_layers=surveyed)
+    two_run, two_compare = outputs(tmp_path / "two")
+    split = len(figures.run_figures("x", run_layers, [0, 2], "svg"))
+    plots.render_figures([frame_paths[0], frame_paths[2]], two_run[:split], heads=heads)
+    plots.render_figures(
+        frame_paths[1:], two_run[split:], heads=heads, attention_stores=attention[1:]
+    )
+    plots.render_figures(frame_paths[1:], two_compare, heads=heads)
+    assert len(one_run) > split > 0 and one_compare
+    for one, two in zip(one_run + one_compare, two_run + two_compare, strict=True):
+        assert Path(one).read_bytes() == Path(two).read_bytes(), Path(one).name
+    everything = tmp_path / "all" / Path(one_compare[0]).name
+    plots.render_figures(frame_paths, [everything], heads=heads)
+    assert everything.read_bytes() != Path(one_compare[0]).read_bytes()
+
+
 def test_bad_survey_requests_fail_before_writing(tmp_path):
     stores, datasets = make_run(3, num_heads=2)
     attention, frame_paths = write_run(tmp_path, stores, datasets)

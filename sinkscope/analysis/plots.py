@@ -1954,12 +1954,15 @@ def _frame_list(values: Sequence[int]) -> str:
 
 
 @_styled
-def plot_closed_loop_deviation(table: pd.DataFrame, *, train_frames: int | None = None) -> Figure:
+def plot_closed_loop_deviation(
+    table: pd.DataFrame, *, train_frames: int | None = None, titles: bool = True
+) -> Figure:
     """Relative L2 of each latent frame to the full-cache rollout (the stacked deviation tables of
     Contract 6, `closed_loop.read_deviation`): one panel per (checkpoint, prompt), one line per
     policy, a dashed line at the first frame each budget evicts keys for, a dotted one at the
     training length `train_frames`. The y axis is logarithmic when the non-zero values span more
-    than a decade; the exact zeros (frames before the first eviction) are then left out."""
+    than a decade; the exact zeros (frames before the first eviction) are then left out. Without
+    `titles` a single run's panel is not named (the caption names it)."""
     runs = _closed_loop_runs(table, "deviation table")
     keys = _closed_loop_policies(table)
     styles = _closed_loop_styles(keys)
@@ -2003,7 +2006,8 @@ def plot_closed_loop_deviation(table: pd.DataFrame, *, train_frames: int | None 
             ax.axvline(start, label=f"_first eviction, B = {budget}", zorder=1, **EVICTION_STYLE)
         if train_frames is not None:
             ax.axvline(train_frames, label="_training length", zorder=1, **TRAINING_STYLE)
-        ax.set_title(f"{checkpoint} · {prompt}")
+        if titles or len(runs) > 1:
+            ax.set_title(f"{checkpoint} · {prompt}")
         ax.set_xlim(-0.5, last + 0.5)
         ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
         ax.grid(axis="y", color="0.9", linewidth=0.4)
@@ -2122,11 +2126,12 @@ def _left_out_note(
 
 
 @_styled
-def plot_closed_loop_recall(table: pd.DataFrame) -> Figure:
+def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figure:
     """Mean relative L2 from the first eviction on (y) against the offline recall of the same
     choice of keys (x) of each closed-loop rollout (the summary, `closed_loop.closed_loop_summary`):
     one point per run and policy, colour and marker by policy. Rows without a recall or a mean
-    (no offline rows, no eviction) are named in a note instead."""
+    (no offline rows, no eviction) are named in a note instead. Without `titles` the title does
+    not name the run (the caption does)."""
     runs = _closed_loop_runs(table, "summary")
     keys = _closed_loop_policies(table)
     styles = _closed_loop_styles(keys)
@@ -2196,11 +2201,12 @@ def plot_closed_loop_recall(table: pd.DataFrame) -> Figure:
         ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.02), ncols=2)
     if not left_out.empty:
         fig.supxlabel(_left_out_note(left_out, keys, names), fontsize=5.5, color="0.35")
-    where = (
-        f"{runs[0][0]} · {runs[0][1]} · one point per policy"
-        if len(runs) == 1
-        else f"{len(runs)} runs · one point per run and policy"
-    )
+    if len(runs) > 1:
+        where = f"{len(runs)} runs · one point per run and policy"
+    elif titles:
+        where = f"{runs[0][0]} · {runs[0][1]} · one point per policy"
+    else:
+        where = "one point per policy"
     fig.suptitle(f"Closed loop: deviation against offline recall\n{where}")
     return fig
 
@@ -2231,6 +2237,14 @@ def _datasets_for(
         return list(datasets)
     wanted = {layer for layer, _ in heads}
     return [ds for ds in datasets if _layer(ds) in wanted] or list(datasets)
+
+
+def _of_layers(datasets: Sequence[xr.Dataset], layers: Sequence[int] | None) -> list[xr.Dataset]:
+    """The datasets of `layers` (all of them for None)."""
+    if layers is None:
+        return list(datasets)
+    wanted = {int(layer) for layer in layers}
+    return [ds for ds in datasets if _layer(ds) in wanted]
 
 
 def _survey_datasets(
@@ -2272,6 +2286,8 @@ def render_figures(
     annotate: Sequence[str] = ("max",),
     titles: bool = True,
     shared_scale: bool = True,
+    figure_layers: Sequence[int] | None = None,
+    survey_layers: Sequence[int] | None = None,
 ) -> list[Path]:
     """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
 
@@ -2280,10 +2296,12 @@ def render_figures(
     the stores of one (checkpoint, prompt); compare figures take any number of runs. Survey
     figures (and survey compare figures) show the layers of the attention stores
     `attention_stores` (Contract 4; every one needs its frame dataset), or every frame dataset
-    when none is given; `survey_spatial` needs them. `sink_threshold` and `recent_threshold` are
-    the statistics' (head class, sink rate). Policy figures draw the recall tables
-    `policy_tables` (Contract 5) of one run, at step `step`, with `policy_budget` (the sink sweep
-    and map; default `default_policy_budget`) and `policy_layers` (default
+    when none is given; `survey_spatial` needs the stores. `figure_layers` and `survey_layers`,
+    when given, pick the frame datasets the other figures and the survey figures show, so that
+    one call draws a run's figures and its survey from one list. `sink_threshold` and
+    `recent_threshold` are the statistics' (head class, sink rate). Policy figures draw the recall
+    tables `policy_tables` (Contract 5) of one run, at step `step`, with `policy_budget` (the sink
+    sweep and map; default `default_policy_budget`) and `policy_layers` (default
     `default_policy_layers`); they need no frame dataset. Closed-loop figures draw the
     deviation tables `deviation_tables` (Contract 6, every run and policy: `closed_loop_deviation`)
     or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), with the training length
@@ -2301,6 +2319,8 @@ def render_figures(
     plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
     kinds = [kind for _, kind, _, _ in plan]
     datasets = [open_frame_dataset(path) for path in frame_stores]
+    # The frame datasets of the layer, run and compare figures (the survey picks its own).
+    shown = _of_layers(datasets, figure_layers)
     if not datasets and any(kind.scope not in ("policies", "closed_loop") for kind in kinds):
         raise ValueError("no frame datasets given")
     tables = _closed_loop_tables(kinds, deviation_tables, closed_loop_summary, train_frames)
@@ -2315,12 +2335,12 @@ def render_figures(
         _policy_budget(rows, policy_budget)
         _policy_layers(rows, policy_layers)
     if any(kind.scope in ("layer", "run") for kind in kinds):
-        layers = _by_layer(datasets)
+        layers = _by_layer(shown)
         _check_run_heads(layers, heads)
     if any(kind.scope == "compare" and not kind.surveyed for kind in kinds):
-        _check_compare_inputs(_datasets_for("heads", datasets, heads), heads)
+        _check_compare_inputs(_datasets_for("heads", shown, heads), heads)
     if any(kind.surveyed for kind in kinds):
-        survey = _survey_datasets(datasets, attention)
+        survey = _survey_datasets(_of_layers(datasets, survey_layers), attention)
         runs = _survey_runs(survey)
     if any(kind.scope == "survey" for kind in kinds):
         if len(runs) > 1:
@@ -2364,7 +2384,7 @@ def render_figures(
         elif kind.scope == "closed_loop":
             data = tables[CLOSED_LOOP_TABLES[kind.builder]]
         else:
-            data = _datasets_for(kind.layers, datasets, heads)
+            data = _datasets_for(kind.layers, shown, heads)
         written.append(save_figure(builder(data, **kwargs), path, fmt))
     return written
 

@@ -72,6 +72,23 @@ class WanConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the DiT (1,418,996,800 for Wan2.1-T2V-1.3B), counted from its shapes
+        without building it: what the weights take on a GPU, at 2 bytes each in bf16."""
+        d, f = self.dim, self.ffn_dim
+        patch = self.patch_size[0] * self.patch_size[1] * self.patch_size[2]
+        # Per block: self and cross attention (q, k, v, o with biases; RMS qk-norm weights),
+        # norm3 (affine LayerNorm), the FFN and the 6 modulation vectors.
+        block = 2 * (4 * (d * d + d) + 2 * d) + 2 * d + (d * f + f + f * d + d) + 6 * d
+        patch_embedding = self.in_dim * d * patch + d  # a Conv3d
+        text_embedding = self.text_dim * d + d + d * d + d
+        time_embedding = self.freq_dim * d + d + d * d + d
+        time_projection = d * 6 * d + 6 * d
+        embed = patch_embedding + text_embedding + time_embedding + time_projection
+        head = d * self.out_dim * patch + self.out_dim * patch + 2 * d  # head, its modulation
+        return self.num_layers * block + embed + head
+
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> WanConfig:
         fields = {f.name for f in dataclasses.fields(cls)}

@@ -37,6 +37,7 @@ from .entries import (
     closed_loop_policies,
     closed_loop_policy,
     closed_loop_runs,
+    export_layers,
     frame_layers,
     is_demo_checkpoint,
     is_demo_encoder,
@@ -48,6 +49,7 @@ from .entries import (
     read_prompts_file,
     sampler_settings,
     survey_layers,
+    token_passes,
     uses_text_encoder,
 )
 
@@ -233,6 +235,7 @@ def check_config(config: dict) -> None:
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
         )
+    _check_token_passes(config, surveyed)
     _check_closed_loop(config)
     _check_export(config)
 
@@ -564,6 +567,37 @@ def _check_num_heads(config: dict, name: str, model: WanConfig) -> None:
         raise ConfigError(f"{source}: {error}")
     if warning:
         print(f"sinkscope: warning: {source}: {warning}", file=sys.stderr)
+
+
+def _check_token_passes(config: dict, surveyed: list[int]) -> None:
+    """The token stores' passes are the first of capture.passes, so that step i of a frame
+    dataset is the same pass in every layer; the steps figures and exports draw from token
+    stores are among them."""
+    passes = _capture_passes(config)
+    steps = min(len(sampler_settings(config, n)["steps"]) for n in config["checkpoints"])
+    try:
+        tokens = resolve_passes(token_passes(config), steps, "capture.token_passes")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if tokens != passes[: len(tokens)]:
+        raise ConfigError(
+            f"capture.token_passes: passes {tokens} must be the first of capture.passes "
+            f"{passes} (step i of every frame dataset is then the same pass), e.g. "
+            f"token_passes: {passes[0]}"
+        )
+    from_tokens = [layer for layer in config["layers"] if layer not in surveyed]
+    step = config["figures"]["step"]
+    if from_tokens and step >= len(tokens):
+        raise ConfigError(
+            f"figures.step={step} but the token stores of layers {from_tokens} (not surveyed) "
+            f"capture only {len(tokens)} passes (capture.token_passes)"
+        )
+    export = config.get("export", {})
+    if export_layers(config) and export.get("step", 0) >= len(tokens):
+        raise ConfigError(
+            f"export.step={export.get('step', 0)} but the token stores capture only "
+            f"{len(tokens)} passes (capture.token_passes)"
+        )
 
 
 def _capture_passes(config: dict) -> list[int]:

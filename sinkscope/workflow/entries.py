@@ -256,6 +256,14 @@ EXPORT_TOKEN_FILES = {
 }
 
 
+def token_passes(config: dict):
+    """The passes the token stores capture (`capture.token_passes`, by default
+    `capture.passes`): a spec for `resolve_passes`."""
+    capture = config["capture"]
+    spec = capture.get("token_passes")
+    return capture["passes"] if spec is None else spec
+
+
 def kept_token_layers(config: dict) -> list[int]:
     """Token layers whose token store holds logits and stays on disk after its reduction."""
     capture = config.get("capture", {})

@@ -18,6 +18,7 @@ from .entries import (
     is_demo_checkpoint,
     prompt_embeddings,
     sampler_settings,
+    token_passes,
 )
 from .gpus import host_has_gpu
 
@@ -89,7 +90,10 @@ def extraction_settings(
     kind the job writes, `tokens` (rule extract) or `attention` (rule survey, which does not
     depend on capture.tokens).
     """
-    captured = ("passes", "tokens") if store == "tokens" else ("passes",)
+    if store == "tokens":  # the job captures "passes": the token stores' own
+        capture = {"passes": token_passes(config), "tokens": config["capture"]["tokens"]}
+    else:
+        capture = {"passes": config["capture"]["passes"]}
     return canonical(
         {
             # The spec's fields (what the loader gets) and the content of the files they name.
@@ -99,7 +103,7 @@ def extraction_settings(
             },
             "sampler": sampler_settings(config, name),
             "video": video_settings(config),
-            "capture": {k: config["capture"][k] for k in captured},
+            "capture": capture,
             "seed": config["seed"],
             "device": config["device"],
         }
@@ -116,6 +120,18 @@ def extraction_gpus(config: dict, local: bool = False) -> int:
     if config["device"] == "auto" and local and not host_has_gpu():
         return 0
     return 1
+
+
+# CPUs of a GPU extraction job: one thread feeds the GPU and copies the captured tiles to the host,
+# one writes the stores (its compression keeps a core busy: benchmarks/README.md, capture).
+GPU_JOB_THREADS = 2
+
+
+def extraction_threads(config: dict, local: bool = False) -> int:
+    """CPU threads (`threads:`, SLURM's CPUs per task) of an extraction, survey or closed-loop
+    job: GPU_JOB_THREADS when it holds a GPU (`extraction_gpus`), else 1, so that CPU jobs (the
+    demo) run side by side, each with one torch thread."""
+    return GPU_JOB_THREADS if extraction_gpus(config, local) else 1
 
 
 def closed_loop_settings(

@@ -25,7 +25,7 @@ from .entries import (
     survey_layers,
     token_layers,
 )
-from .resources import store_geometry
+from .resources import gpu_memory_bytes, store_geometry
 
 LATENT_CHANNELS = 16
 
@@ -59,6 +59,7 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames
     if job == "extract":
         if not config["capture"]["tokens"]:
             return 0
+        g = store_geometry(config, name, frames, store="tokens")
         return token_store_disk_bytes(
             num_passes=g.num_passes,
             num_heads=g.num_heads,
@@ -163,4 +164,26 @@ def format_plan(config: dict) -> str:
             f"  default target: {_size(total)}; {_size(free)} free on {where} ({verdict}); each "
             "job claims its share before writing, so jobs running side by side cannot overbook"
         )
+    gpu = _largest_gpu_job(config)
+    if gpu is not None:
+        job, parts = gpu
+        lines.append(
+            f"  GPU memory (estimate, bf16): about {_size(parts['total'])} for {job} (weights "
+            f"{_size(parts['weights'])}, KV cache {_size(parts['kv_cache'])}, capture "
+            f"{_size(parts['capture'])})"
+        )
     return "\n".join(lines)
+
+
+def _largest_gpu_job(config: dict) -> tuple[str, dict] | None:
+    """(job kind and checkpoint, `resources.gpu_memory_bytes`) of the extraction job that holds
+    the most GPU memory, or None when there is no extraction job."""
+    kinds = (["extract"] if token_layers(config) else []) + (
+        ["survey"] if survey_layers(config) else []
+    )
+    estimates = [
+        (f"{kind} {name}", gpu_memory_bytes(config, name, kind))
+        for name in config["checkpoints"]
+        for kind in kinds
+    ]
+    return max(estimates, key=lambda e: e[1]["total"], default=None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from sinkscope.frames import attention_store_bytes, block_sizes, export_bytes, token_store_bytes
 from sinkscope.passes import resolve_passes
 
-from .entries import model_config, sampler_settings, survey_layers
+from .entries import model_config, sampler_settings, survey_layers, token_passes
 from .params import extraction_gpus, prompt_encoder
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
@@ -56,14 +56,18 @@ class StoreGeometry:
         return sum(self.sizes)
 
 
-def store_geometry(config: dict, name: str, num_frames: int | None = None) -> StoreGeometry:
-    """The geometry of checkpoint `name`'s stores, of `num_frames` latent frames if given
-    (the closed loop's), else video.num_frames."""
+def store_geometry(
+    config: dict, name: str, num_frames: int | None = None, store: str = "attention"
+) -> StoreGeometry:
+    """The geometry of checkpoint `name`'s stores of kind `store` (`attention` or `tokens`,
+    which capture `capture.token_passes`), of `num_frames` latent frames if given (the closed
+    loop's), else video.num_frames."""
     model = model_config(config, name)
     sampler = sampler_settings(config, name)
     video = config["video"]
+    passes = token_passes(config) if store == "tokens" else config["capture"]["passes"]
     return StoreGeometry(
-        num_passes=len(resolve_passes(config["capture"]["passes"], len(sampler["steps"]))),
+        num_passes=len(resolve_passes(passes, len(sampler["steps"]))),
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
         sizes=block_sizes(
@@ -80,7 +84,7 @@ def layer_store_bytes(config: dict, name: str) -> int:
     """Uncompressed bytes of one token store (one layer, one prompt) of checkpoint `name`."""
     if not config["capture"]["tokens"]:
         return 0
-    g = store_geometry(config, name)
+    g = store_geometry(config, name, store="tokens")
     return token_store_bytes(
         num_passes=g.num_passes,
         num_heads=g.num_heads,
@@ -165,3 +169,39 @@ def encode_mem_mb(config: dict, prompt: str) -> int:
     else:
         size = files_mb([path])
     return int(ENCODE_BASE_MB + 1.25 * size)
+
+
+# CUDA context, cuBLAS workspaces and the caching allocator's slack: not from the sizes below.
+GPU_OVERHEAD_BYTES = 1_500_000_000
+GPU_DTYPE_BYTES = 2  # bf16: the dtype of every CUDA job (extraction.job.model_dtype)
+
+
+def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None = None) -> dict:
+    """An estimate of what one job of checkpoint `name` holds on its GPU, by part (bytes):
+    `weights` (the DiT in bf16), `kv_cache` (every layer's self-attention keys and values, as
+    `WanModel.new_kv_caches` allocates them: all frames, or the sampler's local window),
+    `text_cache` (cross-attention keys and values of the prompt), `capture` (the largest
+    transient of the capture: a query frame x visible keys tile in fp32 with its fp16 copy for a
+    token store (`extract`), or the two fp32 buffers of the exact softmax for an attention store
+    (`survey`, `closed_loop`)), `activations` (one block's FFN hidden states) and `overhead`
+    (GPU_OVERHEAD_BYTES); `total` sums them. Not measured: no GPU has run the 1.3B model here.
+    `num_frames`: the rollout's latent frames (the closed loop's), else video.num_frames."""
+    model = model_config(config, name)
+    g = store_geometry(config, name, num_frames)
+    sampler = sampler_settings(config, name)
+    window = sampler["local_attn_size"]
+    cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
+    tokens = cached_frames * g.frame_seq_length
+    visible_keys = tokens  # a query frame sees at most the cache
+    parts = {
+        "weights": model.num_parameters * GPU_DTYPE_BYTES,
+        "kv_cache": model.num_layers * 2 * tokens * model.dim * GPU_DTYPE_BYTES,
+        "text_cache": model.num_layers * 2 * model.text_len * model.dim * GPU_DTYPE_BYTES,
+        "capture": g.frame_seq_length * visible_keys * (4 + 2 if job == "extract" else 2 * 4),
+        "activations": 2 * max(g.sizes) * g.frame_seq_length * model.ffn_dim * GPU_DTYPE_BYTES,
+        "overhead": GPU_OVERHEAD_BYTES,
+    }
+    if job not in ("extract", "survey", "closed_loop"):
+        raise ValueError(f"unknown job kind {job!r}")
+    parts["total"] = sum(parts.values())
+    return parts
