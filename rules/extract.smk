@@ -40,6 +40,8 @@ if SURVEY_LAYERS:
             ],
         log:
             "results/logs/survey/{checkpoint}/{prompt}.log",
+        # First on the GPU: every figure and statistic of a run waits for its survey only.
+        priority: 1
         conda:
             "../envs/extract.yaml"
         threads: EXTRACT_THREADS

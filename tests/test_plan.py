@@ -18,10 +18,11 @@ def test_plan_counts_every_writing_job_with_its_bound():
     config = checked()
     families = {f.name: f for f in plan.storage_plan(config)}
     tokens = families["token stores"]
-    # 2 checkpoints x 2 prompts x token layer 0; the demo geometry: 21 frames of 24 tokens.
+    # 2 checkpoints x 2 prompts x token layer 0 at pass 0 (capture.token_passes); the demo
+    # geometry: 21 frames of 24 tokens.
     assert len(tokens.jobs) == 4
     bound = token_store_disk_bytes(
-        num_passes=5,
+        num_passes=1,
         num_heads=4,
         frame_seq_length=24,
         sizes=[3] * 7,
@@ -46,7 +47,7 @@ def test_plan_counts_every_writing_job_with_its_bound():
     assert loop.jobs["closed_loop demo_a/eagle/top_c"] == latents  # nothing captured
     assert loop.jobs["closed_loop demo_a/eagle/window"] == latents + at_42  # layer 0 captured
     text = plan.format_plan(config)
-    assert f"largest job: extract demo_a/eagle/layer0, {bound / 1e6:.1f} MB" in text
+    assert f"largest job: survey demo_a/eagle, {4 * one / 1e6:.1f} MB" in text
     assert re.search(r"free on .* \(fits\)", text)
     assert plan.job_disk_mb(config, "demo_a", "extract") == -(-bound // 1_000_000)
 
@@ -55,7 +56,8 @@ def test_plan_counts_every_writing_job_with_its_bound():
 def test_a_dry_run_prints_the_plan_and_jobs_declare_their_disk(tmp_path):
     workdir = copy_workflow(tmp_path / "w")
     result = snakemake(workdir, "-n")
-    assert "sinkscope plan" in result.stderr and "largest job: extract" in result.stderr
+    assert "sinkscope plan" in result.stderr and "largest job: survey" in result.stderr
+    assert "GPU memory (estimate, bf16)" in result.stderr
     config = checked()
     disk = {
         rule: plan.job_disk_mb(config, "demo_a", job, **kwargs)
@@ -90,11 +92,11 @@ def test_token_passes_write_the_token_stores_of_fewer_passes():
     hold pass 0 alone while the survey keeps every pass; unset, nothing changes (no rerun)."""
     from sinkscope.workflow import params, resources
 
-    default = checked()
-    assert "token_passes" not in default["capture"]
+    default = checked(lambda config: config["capture"].pop("token_passes"))
     settings = params.extraction_settings(default, "demo_a")
     assert settings["capture"] == {"passes": "all", "tokens": True}
-    config = checked(overridden({"capture": {"token_passes": 0}}))
+    config = checked()
+    assert config["capture"]["token_passes"] == 0  # the demo's
     tokens = params.extraction_settings(config, "demo_a")
     survey = params.extraction_settings(config, "demo_a", store="attention")
     assert tokens["capture"] == {"passes": 0, "tokens": True}

@@ -351,3 +351,39 @@ def test_prompt_embedding_checks(tmp_path):
     garbage.write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match=re.escape(str(garbage))):
         load_prompt_embedding(garbage)
+
+
+def test_demo_text_encoder_is_a_transformers_umt5(tmp_path):
+    """The demo encoder, written without transformers, loads into transformers' UMT5EncoderModel
+    with every weight used and none missing, and its tokenizer into AutoTokenizer; building it
+    does not import transformers (3 s of the demo's start)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    demo = tmp_path / "demo"
+    code = (
+        "import sys\n"
+        "from sinkscope.wan.text import make_demo_text_encoder\n"
+        f"make_demo_text_encoder({str(demo)!r}, d_model=32, num_layers=3, num_heads=4, seed=5)\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    model, info = UMT5EncoderModel.from_pretrained(str(demo), output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    assert model.config.num_layers == 3 and model.config.d_model == 32
+    saved = load_file(demo / "model.safetensors")
+    state = model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    assert torch.equal(state["encoder.embed_tokens.weight"], saved["shared.weight"])
+    tokenizer = AutoTokenizer.from_pretrained(str(demo))
+    backend = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    ids = tokenizer("A red fox runs.").input_ids
+    assert ids == backend.encode("A red fox runs.").ids and ids[-1] == tokenizer.eos_token_id == 1
+    assert tokenizer.pad_token_id == 0
+    out = model(input_ids=torch.tensor([ids])).last_hidden_state
+    assert out.shape == (1, len(ids), 32) and torch.isfinite(out).all()

@@ -29,7 +29,9 @@ def test_demo_produces_every_contract(demo_run):
         for prompt in ("eagle", "harbor"):
             for layer in (0,):  # the token layer
                 tokens = xr.open_zarr(results / f"logits/{checkpoint}/{prompt}/layer{layer}.zarr")
-                assert tokens.logits.shape == (5, 4, 21 * 24, 21 * 24)
+                # capture.token_passes: 0 -- the token store holds pass 0 (t=1000) alone.
+                assert tokens.logits.shape == (1, 4, 21 * 24, 21 * 24)
+                assert tokens.timestep.values.tolist() == [1000.0]
                 assert tokens.attrs["checkpoint"] == checkpoint and tokens.attrs["layer"] == layer
                 frames = xr.open_zarr(results / f"frames/{checkpoint}/{prompt}/layer{layer}.zarr")
                 mass = frames.prob_mass.sum("key_frame", skipna=True).values
@@ -100,8 +102,13 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
 
 def test_extraction_killed_mid_write_leaves_nothing_accepted(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
+
     # A bigger latent (96 tokens per frame) so the job is still writing when it is killed.
-    edit_config(workdir, lambda c: c["video"].update(latent_height=16, latent_width=24))
+    def bigger(config):
+        config["video"].update(latent_height=16, latent_width=24)
+        config["capture"].update(token_passes="all")
+
+    edit_config(workdir, bigger)
     target = "results/logits/demo_a/eagle/layer0.zarr"
     partial = workdir / (target + ".partial")
     job = subprocess.Popen(

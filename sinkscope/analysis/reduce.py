@@ -424,9 +424,9 @@ def _store_error(path: Path, message: str) -> ValueError:
     return ValueError(f"token store {path}: {message}")
 
 
-def _check_metadata_copies(kind: str, path: Path) -> None:
+def _check_metadata_copies(kind: str, path: Path) -> bool:
     """Each array's zarr.json must equal its copy in the group's consolidated metadata (which is
-    what is read): a difference means one of them is damaged."""
+    what is read): a difference means one of them is damaged. Returns whether there is any."""
     try:
         root = json.loads((path / "zarr.json").read_text())
         consolidated = (root.get("consolidated_metadata") or {}).get("metadata") or {}
@@ -446,6 +446,7 @@ def _check_metadata_copies(kind: str, path: Path) -> None:
                 f"variable {name!r}: {file} differs from its copy consolidated in zarr.json, so "
                 "one of them is damaged",
             )
+    return bool(consolidated)
 
 
 def _check_attributes(kind: str, path: Path, attrs: dict) -> None:
@@ -598,7 +599,10 @@ def open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
     name the path."""
     if not (path / "zarr.json").is_file():
         raise FileNotFoundError(f"{kind} {path} is not a zarr v3 group")
-    _check_metadata_copies(kind, path)
+    if not _check_metadata_copies(kind, path):
+        # Not consolidated (a store still being written): read as it is, without xarray's
+        # warning; the `complete` check then names it.
+        open_options.setdefault("consolidated", False)
     try:
         return xr.open_zarr(path, **open_options)
     except Exception as err:

@@ -320,10 +320,14 @@ def make_demo_text_encoder(
     seed: int = 0,
 ) -> None:
     """A tiny random-init UMT5 encoder and a character-level Unigram tokenizer, saved in the
-    transformers directory layout of `google/umt5-xxl` (config.json, weights, tokenizer.json)."""
+    transformers directory layout of `google/umt5-xxl` (config.json, model.safetensors,
+    tokenizer.json), which `UMT5EncoderModel` and `AutoTokenizer` load.
+
+    Written without importing transformers (3 s of the demo's start, on its critical path): the
+    weights are T5's initialisation (normal, std from the fan-in; layer norms 1) from `seed`,
+    under UMT5EncoderModel's parameter names."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
     out_dir = Path(out_dir)
     special = ["<pad>", "</s>", "<unk>"]
@@ -340,32 +344,71 @@ def make_demo_text_encoder(
     backend.post_processor = TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
     )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    )
-    config = UMT5Config(
-        vocab_size=len(pieces),
-        d_model=d_model,
-        d_kv=d_model // num_heads,
-        d_ff=d_ff or 2 * d_model,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        relative_attention_num_buckets=32,
-        relative_attention_max_distance=128,
-        feed_forward_proj="gated-gelu",
-        dense_act_fn="gelu_new",
-        layer_norm_epsilon=1e-6,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    encoder = UMT5EncoderModel(config).eval()
+    d_kv = d_model // num_heads
+    d_ff = d_ff or 2 * d_model
+    buckets = 32
+    config = {
+        "architectures": ["UMT5EncoderModel"],
+        "model_type": "umt5",
+        "vocab_size": len(pieces),
+        "d_model": d_model,
+        "d_kv": d_kv,
+        "d_ff": d_ff,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "relative_attention_num_buckets": buckets,
+        "relative_attention_max_distance": 128,
+        "feed_forward_proj": "gated-gelu",
+        "dense_act_fn": "gelu_new",
+        "is_gated_act": True,
+        "layer_norm_epsilon": 1e-6,
+        "dropout_rate": 0.1,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "decoder_start_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    weights = {"shared.weight": normal(len(pieces), d_model, std=1.0)}
+    for i in range(num_layers):
+        attention = f"encoder.block.{i}.layer.0.SelfAttention"
+        ffn = f"encoder.block.{i}.layer.1.DenseReluDense"
+        weights |= {
+            f"{attention}.q.weight": normal(
+                num_heads * d_kv, d_model, std=(d_model * d_kv) ** -0.5
+            ),
+            f"{attention}.k.weight": normal(num_heads * d_kv, d_model, std=d_model**-0.5),
+            f"{attention}.v.weight": normal(num_heads * d_kv, d_model, std=d_model**-0.5),
+            f"{attention}.o.weight": normal(
+                d_model, num_heads * d_kv, std=(num_heads * d_kv) ** -0.5
+            ),
+            # UMT5: every layer has its own relative position bias (T5 shares layer 0's).
+            f"{attention}.relative_attention_bias.weight": normal(
+                buckets, num_heads, std=d_model**-0.5
+            ),
+            f"encoder.block.{i}.layer.0.layer_norm.weight": torch.ones(d_model),
+            f"{ffn}.wi_0.weight": normal(d_ff, d_model, std=d_model**-0.5),
+            f"{ffn}.wi_1.weight": normal(d_ff, d_model, std=d_model**-0.5),
+            f"{ffn}.wo.weight": normal(d_model, d_ff, std=d_ff**-0.5),
+            f"encoder.block.{i}.layer.1.layer_norm.weight": torch.ones(d_model),
+        }
+    weights["encoder.final_layer_norm.weight"] = torch.ones(d_model)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": "<pad>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
     with atomic_path(out_dir) as folder:
         folder.mkdir()
-        encoder.save_pretrained(str(folder))
-        tokenizer.save_pretrained(str(folder))
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        backend.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         (folder / "sinkscope_demo.json").write_text(json.dumps({"seed": seed}) + "\n")
 
 

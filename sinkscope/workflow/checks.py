@@ -235,9 +235,9 @@ def check_config(config: dict) -> None:
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
         )
-    _check_token_passes(config, surveyed)
     _check_closed_loop(config)
     _check_export(config)
+    _check_token_passes(config, surveyed)
 
 
 def _check_export(config: dict) -> None:
