@@ -347,7 +347,7 @@ def test_config_option_is_checked_and_reruns_extraction(tmp_path):
     assert RolloutPlan.from_settings(loop).geometry.block_sizes == [1] + [3] * 14
     model = entries.model_config(config, "demo_a")
     assert resources.layer_store_bytes(config, "demo_a") == token_store_bytes(
-        num_passes=5,  # capture.passes: all
+        num_passes=1,  # the demo's capture.token_passes: 0
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(8, 12),
         sizes=SF_19,

@@ -14,6 +14,18 @@ from .test_config import checked
 from .workflowtools import copy_workflow, snakemake
 
 
+def demo_token_bound(num_passes: int) -> int:
+    """The disk bound of a demo token store: 4 heads, 21 frames of 24 tokens, no window."""
+    return token_store_disk_bytes(
+        num_passes=num_passes,
+        num_heads=4,
+        frame_seq_length=24,
+        sizes=[3] * 7,
+        local_attn_size=-1,
+        sink_size=0,
+    )
+
+
 def test_plan_counts_every_writing_job_with_its_bound():
     config = checked()
     families = {f.name: f for f in plan.storage_plan(config)}
@@ -21,14 +33,7 @@ def test_plan_counts_every_writing_job_with_its_bound():
     # 2 checkpoints x 2 prompts x token layer 0 at pass 0 (capture.token_passes); the demo
     # geometry: 21 frames of 24 tokens.
     assert len(tokens.jobs) == 4
-    bound = token_store_disk_bytes(
-        num_passes=1,
-        num_heads=4,
-        frame_seq_length=24,
-        sizes=[3] * 7,
-        local_attn_size=-1,
-        sink_size=0,
-    )
+    bound = demo_token_bound(num_passes=1)
     assert set(tokens.jobs.values()) == {bound}
     attention = families["attention stores"]
     one = attention_store_disk_bytes(
@@ -101,14 +106,7 @@ def test_token_passes_write_the_token_stores_of_fewer_passes():
     survey = params.extraction_settings(config, "demo_a", store="attention")
     assert tokens["capture"] == {"passes": 0, "tokens": True}
     assert survey["capture"] == default_survey_capture(default) == {"passes": "all"}
-    one_pass = token_store_disk_bytes(
-        num_passes=1,
-        num_heads=4,
-        frame_seq_length=24,
-        sizes=[3] * 7,
-        local_attn_size=-1,
-        sink_size=0,
-    )
+    one_pass = demo_token_bound(num_passes=1)
     families = {f.name: f for f in plan.storage_plan(config)}
     assert set(families["token stores"].jobs.values()) == {one_pass}
     assert (
