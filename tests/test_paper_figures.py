@@ -385,3 +385,25 @@ def test_passes_share_the_y_axis_across_checkpoints_of_a_head():
     for row in rows:
         assert row[0].get_ylim() == row[1].get_ylim()
     assert rows[0][0].get_ylim() != rows[1][0].get_ylim()  # heads keep their own
+
+
+def test_passes_of_a_one_pass_token_layer_beside_a_surveyed_layer():
+    """`capture.token_passes: 0` beside a survey: layer 0's frame datasets (from token stores)
+    hold step 0 alone, layer 1's every step. Each panel draws the steps its datasets hold, and a
+    step keeps one colour in every panel."""
+    one_pass = [
+        make_frame_dataset("sf", prompt, 0, seed=p, **SMALL).isel(step=[0])
+        for p, prompt in enumerate(("cat", "sea"))
+    ]
+    every_pass = [
+        make_frame_dataset("sf", prompt, 1, seed=5 + p, **SMALL)
+        for p, prompt in enumerate(("cat", "sea"))
+    ]
+    fig = plots.plot_passes(one_pass + every_pass, [(0, 0), (1, 0)])
+    token_panel, survey_panel = fig.axes
+    assert len(token_panel.lines) == 1
+    assert len(survey_panel.lines) == every_pass[0].sizes["step"] > 1
+    assert token_panel.lines[0].get_label() == survey_panel.lines[0].get_label()
+    assert token_panel.lines[0].get_color() == survey_panel.lines[0].get_color()
+    colors = [line.get_color() for line in survey_panel.lines]
+    assert len({str(c) for c in colors}) == len(colors)  # one colour per step

@@ -156,6 +156,23 @@ def test_token_passes_refusals(overrides, message):
         checked(overridden(overrides))
 
 
+def test_token_passes_are_a_prefix_for_every_schedule():
+    """Checkpoints with schedules of other lengths: [0, 'cache'] is [0, 3] for a 3-step one and
+    [0, 4] for the 4-step one, whose capture.passes [0, 3] it then contradicts."""
+    from sinkscope.workflow.entries import ConfigError
+
+    def mixed(token_passes):
+        def change(config):
+            config["checkpoints"]["demo_b"]["sampler"] = {"steps": [1000, 750, 500]}
+            config["capture"].update(passes=[0, 3], token_passes=token_passes)
+
+        return change
+
+    checked(mixed(0))
+    with pytest.raises(ConfigError, match=r"\[0, 4\] must be the first .* 'demo_a' \(4 steps"):
+        checked(mixed([0, "cache"]))
+
+
 def test_parameter_count_is_the_models():
     """`WanConfig.num_parameters` (no torch, for the plan) against the published 1.3B count and
     torch's count of the built model, real width on the meta device and a tiny one for real."""
@@ -203,4 +220,12 @@ def test_gpu_estimate_of_the_1_3b_example(tmp_path, monkeypatch):
     config["sampler"]["local_attn_size"] = 6
     windowed = resources.gpu_memory_bytes(config, "self_forcing_dmd", "survey")
     assert windowed["kv_cache"] == 30 * 2 * 6 * 1560 * 1536 * 2
-    assert "GPU memory (estimate, bf16): about" in plan.format_plan(config)
+    expected = f"about {windowed['total'] / 1e9:.1f} GB for survey self_forcing_dmd"
+    assert f"GPU memory (estimate, bf16): {expected}" in plan.format_plan(config)
+    # The closed loop's full-cache reference keeps all its 42 frames whatever the window, and is
+    # then the plan's largest GPU job.
+    config["closed_loop"].update(policies=["window"])
+    loop = resources.gpu_memory_bytes(config, "self_forcing_dmd", "closed_loop", 42)
+    assert loop["kv_cache"] == 30 * 2 * 42 * 1560 * 1536 * 2
+    expected = f"about {loop['total'] / 1e9:.1f} GB for closed_loop self_forcing_dmd (42 frames)"
+    assert expected in plan.format_plan(config)

@@ -1002,14 +1002,23 @@ def plot_passes(
     _check_options(measure, frame_axis)
     _check_compare_inputs(datasets, heads)
     checkpoints = list(dict.fromkeys(_checkpoint(ds) for ds in datasets))
-    labels = list(
-        dict.fromkeys(
-            label
-            for checkpoint in checkpoints
-            for _, label in _common_steps([ds for ds in datasets if _checkpoint(ds) == checkpoint])
+    # The steps of every panel, which may differ between layers (a token store of fewer passes,
+    # `capture.token_passes`, beside a surveyed layer's every pass), in pass order.
+    # Checkpoints with other schedules label a step by their own timestep.
+    groups = [_runs_with_head(datasets, layer, head) for layer, head in heads]
+    labels = dict.fromkeys(
+        label
+        for checkpoint in checkpoints
+        for step, label in sorted(
+            {
+                pair
+                for runs in groups
+                if checkpoint in runs
+                for pair in _common_steps(runs[checkpoint])
+            }
         )
     )
-    colors = _step_colors(labels)
+    colors = _step_colors(list(labels))
     fig = Figure(figsize=(FULL_WIDTH_IN, 1.8 * len(heads) + 0.5), layout="constrained")
     grid = fig.subplots(len(heads), len(checkpoints), squeeze=False, sharey="row")
     for row, (layer, head) in zip(grid, heads, strict=True):

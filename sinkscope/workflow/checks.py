@@ -570,33 +570,37 @@ def _check_num_heads(config: dict, name: str, model: WanConfig) -> None:
 
 
 def _check_token_passes(config: dict, surveyed: list[int]) -> None:
-    """The token stores' passes are the first of capture.passes, so that step i of a frame
-    dataset is the same pass in every layer; the steps figures and exports draw from token
-    stores are among them."""
-    passes = _capture_passes(config)
-    steps = min(len(sampler_settings(config, n)["steps"]) for n in config["checkpoints"])
-    try:
-        tokens = resolve_passes(token_passes(config), steps, "capture.token_passes")
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if tokens != passes[: len(tokens)]:
-        raise ConfigError(
-            f"capture.token_passes: passes {tokens} must be the first of capture.passes "
-            f"{passes} (step i of every frame dataset is then the same pass), e.g. "
-            f"token_passes: {passes[0]}"
-        )
+    """The token stores' passes are the first of capture.passes for every checkpoint (whose
+    schedules may differ in length), so that step i of a frame dataset is the same pass in every
+    layer; the steps figures and exports draw from token stores are among them."""
+    counts = []
+    for name in config["checkpoints"]:
+        steps = len(sampler_settings(config, name)["steps"])
+        try:
+            passes = resolve_passes(config["capture"]["passes"], steps)
+            tokens = resolve_passes(token_passes(config), steps, "capture.token_passes")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if tokens != passes[: len(tokens)]:
+            raise ConfigError(
+                f"capture.token_passes: passes {tokens} must be the first of capture.passes "
+                f"{passes} for checkpoint '{name}' ({steps} steps; step i of every frame dataset "
+                f"is then the same pass), e.g. token_passes: {passes[0]}"
+            )
+        counts.append(len(tokens))
+    captured = min(counts)
     from_tokens = [layer for layer in config["layers"] if layer not in surveyed]
     step = config["figures"]["step"]
-    if from_tokens and step >= len(tokens):
+    if from_tokens and step >= captured:
         raise ConfigError(
             f"figures.step={step} but the token stores of layers {from_tokens} (not surveyed) "
-            f"capture only {len(tokens)} passes (capture.token_passes)"
+            f"capture only {captured} passes (capture.token_passes)"
         )
     export = config.get("export", {})
-    if export_layers(config) and export.get("step", 0) >= len(tokens):
+    if export_layers(config) and export.get("step", 0) >= captured:
         raise ConfigError(
             f"export.step={export.get('step', 0)} but the token stores capture only "
-            f"{len(tokens)} passes (capture.token_passes)"
+            f"{captured} passes (capture.token_passes)"
         )
 
 

@@ -176,8 +176,8 @@ def format_plan(config: dict) -> str:
 
 
 def _largest_gpu_job(config: dict) -> tuple[str, dict] | None:
-    """(job kind and checkpoint, `resources.gpu_memory_bytes`) of the extraction job that holds
-    the most GPU memory, or None when there is no extraction job."""
+    """(job kind and checkpoint, `resources.gpu_memory_bytes`) of the extraction, survey or
+    closed-loop job that holds the most GPU memory, or None when there is none."""
     kinds = (["extract"] if token_layers(config) else []) + (
         ["survey"] if survey_layers(config) else []
     )
@@ -186,4 +186,13 @@ def _largest_gpu_job(config: dict) -> tuple[str, dict] | None:
         for name in config["checkpoints"]
         for kind in kinds
     ]
+    if closed_loop_policies(config):
+        frames = config["closed_loop"]["num_frames"]
+        estimates += [
+            (
+                f"closed_loop {name} ({frames} frames)",
+                gpu_memory_bytes(config, name, "closed_loop", frames),
+            )
+            for name in dict.fromkeys(c for c, _ in closed_loop_runs(config))
+        ]
     return max(estimates, key=lambda e: e[1]["total"], default=None)

@@ -179,7 +179,8 @@ GPU_DTYPE_BYTES = 2  # bf16: the dtype of every CUDA job (extraction.job.model_d
 def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None = None) -> dict:
     """An estimate of what one job of checkpoint `name` holds on its GPU, by part (bytes):
     `weights` (the DiT in bf16), `kv_cache` (every layer's self-attention keys and values, as
-    `WanModel.new_kv_caches` allocates them: all frames, or the sampler's local window),
+    `WanModel.new_kv_caches` allocates them: all frames, or the sampler's local window; all
+    frames for the closed loop's full-cache reference),
     `text_cache` (cross-attention keys and values of the prompt), `capture` (the largest
     transient of the capture: a query frame x visible keys tile in fp32 with its fp16 copy for a
     token store (`extract`), or the two fp32 buffers of the exact softmax for an attention store
@@ -190,7 +191,9 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
     g = store_geometry(config, name, num_frames)
     sampler = sampler_settings(config, name)
     window = sampler["local_attn_size"]
-    cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
+    # The closed loop's reference keeps every frame, whatever the sampler's window.
+    full = window == -1 or job == "closed_loop"
+    cached_frames = g.num_frames if full else min(window, g.num_frames)
     tokens = cached_frames * g.frame_seq_length
     visible_keys = tokens  # a query frame sees at most the cache
     parts = {
