@@ -1021,8 +1021,7 @@ def plot_passes(
     colors = _step_colors(list(labels))
     fig = Figure(figsize=(FULL_WIDTH_IN, 1.8 * len(heads) + 0.5), layout="constrained")
     grid = fig.subplots(len(heads), len(checkpoints), squeeze=False, sharey="row")
-    for row, (layer, head) in zip(grid, heads, strict=True):
-        runs = _runs_with_head(datasets, layer, head)
+    for row, (layer, head), runs in zip(grid, heads, groups, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
             ax.set_title(f"{head_label(layer, head)} · {checkpoint}")
             ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
@@ -2244,8 +2243,7 @@ def _datasets_for(
     the figure's own check names the missing layer."""
     if layers == "captured":
         return list(datasets)
-    wanted = {layer for layer, _ in heads}
-    return [ds for ds in datasets if _layer(ds) in wanted] or list(datasets)
+    return _of_layers(datasets, [layer for layer, _ in heads]) or list(datasets)
 
 
 def _of_layers(datasets: Sequence[xr.Dataset], layers: Sequence[int] | None) -> list[xr.Dataset]:

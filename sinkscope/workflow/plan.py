@@ -47,6 +47,10 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames
     """Upper bound of what one job of checkpoint `name` writes: `extract` (one token store),
     `survey` (`layers` attention stores), `closed_loop` (latents and `layers` attention stores
     of a rollout of `frames` latent frames)."""
+    if job == "extract":
+        if not config["capture"]["tokens"]:
+            return 0
+        return token_store_disk_bytes(**store_geometry(config, name, frames, "tokens").token_layout)
     g = store_geometry(config, name, frames)
     attention = attention_store_disk_bytes(
         num_passes=g.num_passes,
@@ -56,18 +60,6 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames
         # the chunking the job uses ([1, 3, 3, ...]: one query frame per chunk)
         frames_per_block=attention_chunk_frames(g.sizes),
     )
-    if job == "extract":
-        if not config["capture"]["tokens"]:
-            return 0
-        g = store_geometry(config, name, frames, store="tokens")
-        return token_store_disk_bytes(
-            num_passes=g.num_passes,
-            num_heads=g.num_heads,
-            frame_seq_length=g.frame_seq_length,
-            sizes=g.sizes,
-            local_attn_size=g.local_attn_size,
-            sink_size=g.sink_size,
-        )
     if job == "survey":
         return layers * attention
     if job == "closed_loop":

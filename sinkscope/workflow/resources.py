@@ -55,6 +55,18 @@ class StoreGeometry:
     def num_frames(self) -> int:
         return sum(self.sizes)
 
+    @property
+    def token_layout(self) -> dict:
+        """The arguments of `frames.token_store_bytes` and `token_store_disk_bytes`."""
+        return {
+            "num_passes": self.num_passes,
+            "num_heads": self.num_heads,
+            "frame_seq_length": self.frame_seq_length,
+            "sizes": self.sizes,
+            "local_attn_size": self.local_attn_size,
+            "sink_size": self.sink_size,
+        }
+
 
 def store_geometry(
     config: dict, name: str, num_frames: int | None = None, store: str = "attention"
@@ -84,15 +96,7 @@ def layer_store_bytes(config: dict, name: str) -> int:
     """Uncompressed bytes of one token store (one layer, one prompt) of checkpoint `name`."""
     if not config["capture"]["tokens"]:
         return 0
-    g = store_geometry(config, name, store="tokens")
-    return token_store_bytes(
-        num_passes=g.num_passes,
-        num_heads=g.num_heads,
-        frame_seq_length=g.frame_seq_length,
-        sizes=g.sizes,
-        local_attn_size=g.local_attn_size,
-        sink_size=g.sink_size,
-    )
+    return token_store_bytes(**store_geometry(config, name, store="tokens").token_layout)
 
 
 def survey_store_bytes(config: dict, name: str) -> int:
@@ -187,6 +191,8 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
     (`survey`, `closed_loop`)), `activations` (one block's FFN hidden states) and `overhead`
     (GPU_OVERHEAD_BYTES); `total` sums them. Not measured: no GPU has run the 1.3B model here.
     `num_frames`: the rollout's latent frames (the closed loop's), else video.num_frames."""
+    if job not in ("extract", "survey", "closed_loop"):
+        raise ValueError(f"unknown job kind {job!r}")
     model = model_config(config, name)
     g = store_geometry(config, name, num_frames)
     sampler = sampler_settings(config, name)
@@ -204,7 +210,5 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         "activations": 2 * max(g.sizes) * g.frame_seq_length * model.ffn_dim * GPU_DTYPE_BYTES,
         "overhead": GPU_OVERHEAD_BYTES,
     }
-    if job not in ("extract", "survey", "closed_loop"):
-        raise ValueError(f"unknown job kind {job!r}")
     parts["total"] = sum(parts.values())
     return parts
