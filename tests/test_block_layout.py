@@ -16,7 +16,7 @@ import xarray as xr
 import zarr
 from snakemake.exceptions import WorkflowError
 
-from sinkscope.analysis import plots
+from sinkscope.analysis.plots.run import plot_figure4
 from sinkscope.analysis.policies import policy_table
 from sinkscope.analysis.reduce import (
     open_attention_store,
@@ -323,7 +323,7 @@ def test_frame_dataset_statistics_policies_and_figure_of_19_frames(run_19):
     assert [v.tolist() for v in visible.iloc[:3]] == [[1], [4], [7]]
     assert visible.iloc[-1].tolist() == [19]
 
-    fig = plots.plot_figure4([tokens], [(1, 0)])
+    fig = plot_figure4([tokens], [(1, 0)])
     assert "last block: query frames 16–18 (latent)" in fig.texts[0].get_text()
 
 

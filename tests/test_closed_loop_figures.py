@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import math
 import runpy
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +15,12 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from sinkscope.analysis import closed_loop, figures, plots, policies
+from sinkscope.analysis import closed_loop, figures, policies
+from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots.closed_loop import plot_closed_loop_deviation, plot_closed_loop_recall
+from sinkscope.analysis.plots.render import builder_of
 
+from .figurefixtures import svg_texts
 from .workflowtools import REPO, Named
 
 FRAMES = 12  # latent frames of a closed-loop rollout
@@ -324,7 +327,7 @@ def test_closed_loop_file_names_round_trip():
         assert f.kind.scope == "closed_loop" and f.layers == ()
         assert f.labels == {"figure": f.kind.stem.replace("_", " "), "layer": "all"}
         assert (REPO / "report" / f.kind.caption).is_file()
-        builder = getattr(plots, f.kind.builder)
+        builder = builder_of(f.kind)
         assert next(iter(inspect.signature(builder).parameters)) == "table"
     others = [
         *figures.run_figures("o", [0, 1], [0], "svg"),
@@ -335,11 +338,11 @@ def test_closed_loop_file_names_round_trip():
     ]
     assert not [f for f in others if f.kind.scope == "closed_loop"]
     with pytest.raises(ValueError, match="whole model"):
-        figures.FigureKind("x", "plot_x", "x.rst", "closed_loop", "captured")
+        figures.FigureKind("x", "closed_loop.plot_x", "x.rst", "closed_loop", "captured")
     with pytest.raises(ValueError, match="whole model"):
-        figures.FigureKind("x", "plot_x", "x.rst", "run", "model")
+        figures.FigureKind("x", "closed_loop.plot_x", "x.rst", "run", "model")
     with pytest.raises(ValueError, match="closed_loop_"):
-        figures.FigureKind("closed_loop_x", "plot_x", "x.rst", "closed_loop", "model")
+        figures.FigureKind("closed_loop_x", "closed_loop.plot_x", "x.rst", "closed_loop", "model")
     with pytest.raises(ValueError, match="closed_loop_deviation"):
         figures.parse_figure_path("results/figures/closed_loop/deviation.svg")
 
@@ -357,7 +360,7 @@ def data_lines(ax) -> dict[str, object]:
 def test_deviation_figure_draws_the_tables(tmp_path):
     deviation_paths, _ = write_inputs(tmp_path)
     table = closed_loop.read_deviation(deviation_paths)
-    fig = plots.plot_closed_loop_deviation(table, train_frames=TRAIN_FRAMES)
+    fig = plot_closed_loop_deviation(table, train_frames=TRAIN_FRAMES)
     assert isinstance(fig, Figure)
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert sorted(panels) == ["demo · cat", "demo · sea"]
@@ -406,7 +409,7 @@ def test_deviation_figure_draws_the_tables(tmp_path):
 def test_deviation_figure_of_one_run_and_policy_is_linear_when_narrow():
     table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
     table["rel_l2"] = np.where(table["rel_l2"] > 0, 0.2 + 0.01 * table["frame"], 0.0)
-    fig = plots.plot_closed_loop_deviation(table)
+    fig = plot_closed_loop_deviation(table)
     (ax,) = fig.axes
     assert ax.get_yscale() == "linear"
     (line,) = data_lines(ax).values()
@@ -422,7 +425,7 @@ def test_recall_figure_draws_the_summary(tmp_path):
     summary = closed_loop.write_closed_loop_summary(
         deviation_paths, recall_paths, tmp_path / "s.csv", TRAIN_FRAMES
     )
-    fig = plots.plot_closed_loop_recall(summary)
+    fig = plot_closed_loop_recall(summary)
     (ax,) = fig.axes
     lines = data_lines(ax)
     drawn = summary[summary["recall"].notna() & summary["rel_l2_mean"].notna()]
@@ -453,7 +456,7 @@ def test_recall_figure_with_nothing_to_draw():
     summary = closed_loop.closed_loop_summary(
         deviation_table("demo", "cat", "top_c", 4, 0, 1, seed=2), pd.DataFrame(), TRAIN_FRAMES
     )
-    fig = plots.plot_closed_loop_recall(summary)
+    fig = plot_closed_loop_recall(summary)
     (ax,) = fig.axes
     assert not data_lines(ax)
     assert "Not drawn, no offline recall: top_c B=4 R=1." in fig.get_supxlabel()
@@ -465,23 +468,19 @@ def test_closed_loop_figures_without_titles_leave_out_a_single_run():
     several runs keep their panel titles and point names, which tell them apart."""
     one = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
     for titles in (True, False):
-        (ax,) = plots.plot_closed_loop_deviation(one, titles=titles).axes
+        (ax,) = plot_closed_loop_deviation(one, titles=titles).axes
         assert ax.get_title() == ("demo · cat" if titles else "")
         summary = closed_loop.closed_loop_summary(one, pd.DataFrame(), TRAIN_FRAMES)
-        suptitle = plots.plot_closed_loop_recall(summary, titles=titles).get_suptitle()
+        suptitle = plot_closed_loop_recall(summary, titles=titles).get_suptitle()
         assert ("demo · cat" in suptitle) == titles
         assert "one point per policy" in suptitle
     two = pd.concat([one, deviation_table("demo", "dog", "window", 4, 0, 0, seed=4)])
-    fig = plots.plot_closed_loop_deviation(two, titles=False)
+    fig = plot_closed_loop_deviation(two, titles=False)
     assert [ax.get_title() for ax in fig.axes] == ["demo · cat", "demo · dog"]
 
 
 # --------------------------------------------------------------------------------------------
 # files
-
-
-def svg_texts(path: Path) -> list[str]:
-    return ["".join(e.itertext()) for e in ET.parse(path).iter() if e.tag.endswith("text")]
 
 
 @pytest.mark.parametrize("fmt", ["svg", "png"])
@@ -492,7 +491,7 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     written = {}
     for run in ("a", "b"):
         outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
-        paths = plots.render_figures(
+        paths = render_figures(
             [],
             outputs,
             heads=[],
@@ -536,7 +535,7 @@ def test_bad_closed_loop_renders_fail_before_writing(tmp_path):
     ]
     for options, message in requests:
         with pytest.raises(ValueError, match=message):
-            plots.render_figures([], outputs, heads=[], **options)
+            render_figures([], outputs, heads=[], **options)
     assert not out.exists(), "a failed request must not leave figures behind"
 
 

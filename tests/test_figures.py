@@ -1,20 +1,55 @@
-"""The figure registry: every kind has its function, caption and file names, one way round and
-back, and the workflow asks for exactly the registry's files."""
+"""The figure registry and the one entry point: every kind has its family's function, its caption
+and its file names, one way round and back; `render_figures` draws what the file names ask in
+every format, checks every request before writing, and passes the paper options (titles) to
+every family; the shared helpers (labels, the plotted last-block profile, colour scales)."""
 
 from __future__ import annotations
 
 import inspect
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
 
+import matplotlib.colors as mcolors
+import numpy as np
 import pytest
 
-from sinkscope.analysis import figures, plots
+from sinkscope.analysis import figures
+from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots.common import (
+    color_scale,
+    head_label,
+    last_block_profile,
+    save_figure,
+    step_title,
+    timestep_label,
+)
+from sinkscope.analysis.plots.compare import plot_checkpoints
+from sinkscope.analysis.plots.policy import plot_policy_map, plot_policy_recall
+from sinkscope.analysis.plots.render import builder_of
+from sinkscope.analysis.plots.run import plot_frame_maps
+from sinkscope.analysis.plots.survey import plot_survey_first_frame
 
-from .workflowtools import REPO
+from .figurefixtures import (
+    PASS_KINDS,
+    SMALL,
+    TIMESTEPS,
+    compare_outputs,
+    make_frame_dataset,
+    numpy_last_block,
+    run_outputs,
+    svg_texts,
+    write_store,
+)
+from .test_policy_figures import make_table
+from .workflowtools import REPO, Named
 
 
 @pytest.mark.parametrize("kind", figures.FIGURES.values(), ids=lambda kind: kind.name)
 def test_every_kind_has_a_function_and_a_caption(kind):
-    builder = getattr(plots, kind.builder)
+    builder = builder_of(kind)
+    assert builder.__module__ == f"sinkscope.analysis.plots.{kind.family}"
+    assert builder.__name__ == kind.function
     first = next(iter(inspect.signature(builder).parameters))
     tables = {"layer": "ds", "policies": "table", "closed_loop": "table"}
     assert first == tables.get(kind.scope, "datasets")
@@ -57,3 +92,154 @@ def test_file_names_round_trip():
 def test_unknown_names_are_refused(name):
     with pytest.raises(ValueError, match=name.split(".")[0]):
         figures.parse_figure_path(f"results/figures/c/p/{name}")
+
+
+def test_labels():
+    assert head_label(0, 0) == "L0H0"
+    assert head_label(4, 9) == "L4H9"
+    labels = [timestep_label(t, k) for t, k in zip(TIMESTEPS, PASS_KINDS, strict=True)]
+    assert labels == ["t=1000", "t=937.5", "t=833.33", "t=625", "cache"]
+    ds = make_frame_dataset()
+    assert step_title(ds, 0) == "t=1000"
+    assert step_title(ds, 4) == "cache pass"
+
+
+@pytest.mark.parametrize(
+    ("measure", "variable"), [("logits", "logit_mean"), ("probabilities", "prob_mass")]
+)
+@pytest.mark.parametrize("step", [0, 2, 4])
+def test_last_block_profile_matches_numpy(measure, variable, step):
+    ds = make_frame_dataset(seed=3)
+    profile = last_block_profile(ds, measure, step)
+    assert profile.dims == ("head", "key_frame")
+    np.testing.assert_allclose(profile.values, numpy_last_block(ds, variable, step), rtol=1e-6)
+    if measure == "probabilities":
+        np.testing.assert_allclose(np.nansum(profile.values, axis=1), 1.0, rtol=1e-5)
+
+
+def test_probabilities_are_linear_unless_they_span_a_decade():
+    narrow = np.array([[0.04, 0.05], [0.3, np.nan]])
+    _, norm, shown = color_scale(narrow, "probabilities")
+    assert type(norm) is mcolors.Normalize
+    assert (norm.vmin, norm.vmax) == (0.0, pytest.approx(0.3))
+    np.testing.assert_array_equal(shown, narrow)
+
+    wide = np.array([[0.001, 0.05], [0.3, 0.0]])
+    _, norm, shown = color_scale(wide, "probabilities")
+    assert isinstance(norm, mcolors.LogNorm)
+    assert (norm.vmin, norm.vmax) == (pytest.approx(0.001), pytest.approx(0.3))
+    assert shown[1, 1] == pytest.approx(0.001)  # an exact 0 is not mistaken for an unseen tile
+
+    _, norm, _ = color_scale(np.array([-0.5, 2.0]), "logits")
+    assert (norm.vmin, norm.vmax) == (-2.0, 2.0)
+
+
+@pytest.mark.parametrize(("fmt", "magic"), [("png", b"\x89PNG"), ("pdf", b"%PDF")])
+def test_other_formats(tmp_path, fmt, magic):
+    ds = make_frame_dataset(num_heads=2, block_sizes=[3, 3, 3])
+    store = write_store(tmp_path / "frames", ds)
+    outputs = run_outputs(tmp_path / "out", [0], [(0, 1)], fmt)
+    written = render_figures([store], outputs, heads=[(0, 1)], measure="probabilities")
+    assert len(written) == 6
+    for path in written:
+        assert path.suffix == f".{fmt}" and path.read_bytes().startswith(magic)
+
+
+def test_same_data_same_bytes(tmp_path):
+    ds = make_frame_dataset()
+    first = save_figure(plot_frame_maps(ds), tmp_path / "a.svg").read_bytes()
+    second = save_figure(plot_frame_maps(ds), tmp_path / "b.svg").read_bytes()
+    assert first == second
+
+
+def test_bad_requests_raise_naming_the_problem(tmp_path):
+    store = write_store(tmp_path / "frames", make_frame_dataset())
+    out = tmp_path / "out"
+
+    def render(heads=((0, 0),), fmt="svg", stores=(store,), **options):
+        outputs = run_outputs(out, [0], [(0, 0)], fmt) if fmt in figures.FORMATS else []
+        outputs = outputs or [out / f"figure4.{fmt}"]
+        return render_figures(list(stores), outputs, heads=list(heads), **options)
+
+    with pytest.raises(ValueError, match=r"layer 4"):
+        render(heads=[(4, 9)])
+    with pytest.raises(ValueError, match=r"head 7 \(L0H7\)"):
+        render(heads=[(0, 7)])
+    with pytest.raises(ValueError, match=r"step 9"):
+        render(step=9)
+    with pytest.raises(ValueError, match=r"fmt"):
+        render(fmt="jpg")
+    with pytest.raises(ValueError, match=r"measure"):
+        render(measure="mass")
+    with pytest.raises(ValueError, match=r"frame_axis"):
+        render(frame_axis="pixel")
+    with pytest.raises(ValueError, match=r"not a figure file name"):
+        render_figures([store], [out / "figure5.svg"], heads=[(0, 0)])
+    assert not out.exists(), "a failed request must not leave figures behind"
+    with pytest.raises(ValueError, match=r"layer 3"):
+        render_figures([store], compare_outputs(out, [(3, 0)]), heads=[(3, 0)])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        render(stores=[tmp_path / "nowhere.zarr"])
+
+
+RUN_WORDS = ("ckptA", "promptB", "t=1000")
+
+
+def run_texts(path: Path) -> list[str]:
+    return [t for t in svg_texts(path) if any(word in t for word in RUN_WORDS)]
+
+
+def test_titles_option_leaves_the_run_out(tmp_path):
+    datasets = [
+        make_frame_dataset("ckptA", "promptB", layer, seed=layer, **SMALL) for layer in (0, 1)
+    ]
+    stores = [write_store(tmp_path / "frames", ds) for ds in datasets]
+    names = ["figure4", "layer0_heads_grid", "layer0_heads_heatmap", "layer0_frame_maps"]
+    names += ["layer_comparison", "statistics"]
+    for titles in (True, False):
+        out = tmp_path / f"titles_{titles}"
+        outputs = [out / f"{name}.svg" for name in names]
+        render_figures(stores, outputs, heads=[(0, 0), (1, 1)], titles=titles)
+        for path in outputs:
+            assert bool(run_texts(path)) == titles, (path.name, run_texts(path))
+    # What a figure shows stays: the query set, the layer.
+    texts = svg_texts(tmp_path / "titles_False" / "figure4.svg")
+    assert "Last block: query frames 6–8 (latent)" in texts
+    assert "Layer 0, last-block profile" in svg_texts(
+        tmp_path / "titles_False" / "layer0_heads_heatmap.svg"
+    )
+
+    compare = plot_checkpoints(datasets, [(0, 0)], titles=False)
+    assert "t=1000" not in compare.get_suptitle()
+    survey = plot_survey_first_frame(datasets, titles=False)
+    assert not any(word in survey.get_suptitle() for word in RUN_WORDS)
+    table = make_table(checkpoint="ckptA", prompt="promptB")
+    for builder in (plot_policy_recall, plot_policy_map):
+        title = builder(table, titles=False).get_suptitle()
+        assert not any(word in title for word in ("ckptA", "promptB", "t=1000", "step 0")), title
+        assert "V = 6 visible frames" in title
+        assert "ckptA · promptB" in builder(table).get_suptitle()
+
+
+def test_figures_script_passes_the_paper_options(tmp_path):
+    ds = make_frame_dataset("ckptA", "promptB", 0, **SMALL)
+    store = write_store(tmp_path / "frames", ds)
+    out = tmp_path / "figures"
+    options = {"heads": [[0, 1]], "measure": "logits", "frame_axis": "latent", "step": 0}
+    options |= {"titles": False, "annotate": ["max", "min"], "shared_scale": True}
+    snakemake = SimpleNamespace(
+        input=Named(frames=[str(store)]),
+        output=Named([str(out / "figure4.svg")]),
+        log=Named([str(tmp_path / "figures.log")]),
+        params=Named(figures=options),
+    )
+    runpy.run_path(str(REPO / "scripts" / "figures.py"), init_globals={"snakemake": snakemake})
+    assert not run_texts(out / "figure4.svg")
+    assert any(t.startswith("min ") for t in svg_texts(out / "figure4.svg"))
+
+
+@pytest.mark.parametrize("builder", ["plot_x", "plots.plot_x", "run.draw_x", "run."])
+def test_a_builder_names_its_family_and_function(builder):
+    with pytest.raises(ValueError, match=r"family\.plot_"):
+        figures.FigureKind("x", builder, "x.rst", "run")
+    assert figures.FigureKind("x", "run.plot_x", "x.rst", "run").family == "run"

@@ -19,13 +19,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from sinkscope.wan.layout import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
-from sinkscope.workflow.checks import (
-    NAME_PATTERN,
-    check_config,
-    preflight,
-    safetensors_header,
-    torch_file_problem,
-)
+from sinkscope.workflow.checks import NAME_PATTERN, check_config
 from sinkscope.workflow.entries import (
     ConfigError,
     merge_prompts_file,
@@ -33,6 +27,7 @@ from sinkscope.workflow.entries import (
     prompt_text,
     read_prompts_file,
 )
+from sinkscope.workflow.preflight import preflight, safetensors_header, torch_file_problem
 
 from .test_config import DEMO, SCHEMA
 from .workflowtools import REPO, copy_workflow, edit_config, planned_jobs

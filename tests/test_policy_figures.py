@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import runpy
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,8 +13,18 @@ import pandas as pd
 import pytest
 from matplotlib.collections import QuadMesh
 
-from sinkscope.analysis import figures, plots, policies
+from sinkscope.analysis import figures, policies
+from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots.policy import (
+    UNIFORM_LABEL,
+    default_policy_layers,
+    plot_policy_map,
+    plot_policy_recall,
+    plot_policy_sinks,
+)
+from sinkscope.analysis.plots.render import builder_of
 
+from .figurefixtures import svg_texts
 from .workflowtools import REPO, Named
 
 BLOCK = 2  # latent frames per block
@@ -115,10 +124,6 @@ def data_panels(fig) -> list:
     return [ax for ax in fig.axes if ax.get_title()]
 
 
-def svg_texts(path: Path) -> list[str]:
-    return ["".join(e.itertext()) for e in ET.parse(path).iter() if e.tag.endswith("text")]
-
-
 def write_table(path: Path, table: pd.DataFrame) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(path, index=False)
@@ -147,7 +152,7 @@ def test_policy_file_names_round_trip():
         assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
         assert f.kind.caption == f"policy_{f.kind.name}.rst"
         assert (REPO / "report" / f.kind.caption).is_file()
-        builder = getattr(plots, f.kind.builder)
+        builder = builder_of(f.kind)
         assert next(iter(inspect.signature(builder).parameters)) == "table"
     assert figures.policy_figures("out/c/p", [], "svg") == []
     # No other function lists them, and the other files keep their names.
@@ -183,11 +188,11 @@ def test_policy_names_refused(name):
 
 def test_policy_kinds_are_checked():
     with pytest.raises(ValueError, match="policy_"):
-        figures.FigureKind("policy_x", "plot_x", "x.rst", "policies", "policies")
+        figures.FigureKind("policy_x", "policy.plot_x", "x.rst", "policies", "policies")
     with pytest.raises(ValueError, match="recall table"):
-        figures.FigureKind("x", "plot_x", "x.rst", "policies")
+        figures.FigureKind("x", "policy.plot_x", "x.rst", "policies")
     with pytest.raises(ValueError, match="recall table"):
-        figures.FigureKind("x", "plot_x", "x.rst", "run", "policies")
+        figures.FigureKind("x", "policy.plot_x", "x.rst", "run", "policies")
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +202,7 @@ def test_policy_kinds_are_checked():
 @pytest.mark.parametrize("step", [0, 1])
 def test_recall_lines_are_medians_and_quartiles_over_heads(step):
     table = make_table()
-    fig = plots.plot_policy_recall(table, step=step)
+    fig = plot_policy_recall(table, step=step)
     axes = data_panels(fig)
     assert [ax.get_title() for ax in axes] == [
         "Layer 0",
@@ -232,15 +237,15 @@ def test_recall_lines_are_medians_and_quartiles_over_heads(step):
             ]
             assert all(len(g) == 4 * len(store if "recent" in which else layers) for g in groups)
             check_quartile_line(ax, label, budgets, groups)
-        uniform = lines_by_label(ax)[plots.UNIFORM_LABEL]
+        uniform = lines_by_label(ax)[UNIFORM_LABEL]
         np.testing.assert_allclose(uniform.get_ydata(), [0.0, 1.0])
 
 
 def test_recall_panels_at_thirty_layers():
-    assert plots.default_policy_layers(range(30)) == [0, 6, 12, 17, 23, 29]
-    assert plots.default_policy_layers([5, 1, 3]) == [1, 3, 5]
+    assert default_policy_layers(range(30)) == [0, 6, 12, 17, 23, 29]
+    assert default_policy_layers([5, 1, 3]) == [1, 3, 5]
     table = make_table(30, 12, no_store=())
-    fig = plots.plot_policy_recall(table)
+    fig = plot_policy_recall(table)
     titles = [ax.get_title() for ax in data_panels(fig)]
     assert titles == [f"Layer {n}" for n in (0, 6, 12, 17, 23, 29)] + [
         "All 30 layers, heads pooled"
@@ -248,14 +253,14 @@ def test_recall_panels_at_thirty_layers():
     pooled = data_panels(fig)[-1]
     groups = [expected_values(table, 0, range(30), "window", b, sink=0) for b in BUDGETS]
     check_quartile_line(pooled, "window (S = 0)", BUDGETS, groups)
-    chosen = plots.plot_policy_recall(table, layers=[29, 4])
+    chosen = plot_policy_recall(table, layers=[29, 4])
     assert [ax.get_title() for ax in data_panels(chosen)][:2] == ["Layer 4", "Layer 29"]
 
 
 @pytest.mark.parametrize("budget", [None, 2, 6])
 def test_sink_sweep_is_window_then_each_sink(budget):
     table = make_table()
-    fig = plots.plot_policy_sinks(table, step=1, budget=budget)
+    fig = plot_policy_sinks(table, step=1, budget=budget)
     shown = 4 if budget is None else budget  # default: the middle budget below V = 6
     assert f"at budget B = {shown}" in fig.get_suptitle()
     sinks = [0, *[s for s in SINKS if 0 < s < shown]]
@@ -278,14 +283,14 @@ def test_sink_sweep_is_window_then_each_sink(budget):
                 np.testing.assert_allclose(line.get_ydata(), np.median(values), rtol=1e-12)
         else:
             assert references == {}
-        uniform = lines_by_label(ax)[plots.UNIFORM_LABEL]
+        uniform = lines_by_label(ax)[UNIFORM_LABEL]
         np.testing.assert_allclose(uniform.get_ydata(), shown / 6)
 
 
 @pytest.mark.parametrize("budget", [None, 2, 4])
 def test_map_cells_are_each_heads_recall(budget):
     table = make_table()
-    fig = plots.plot_policy_map(table, step=1, budget=budget)
+    fig = plot_policy_map(table, step=1, budget=budget)
     shown = 4 if budget is None else budget
     maps = data_panels(fig)
     largest = max(s for s in SINKS if s < shown)
@@ -320,7 +325,7 @@ def test_map_cells_are_each_heads_recall(budget):
 
 
 def test_map_reads_at_thirty_layers():
-    fig = plots.plot_policy_map(make_table(30, 12))
+    fig = plot_policy_map(make_table(30, 12))
     (ax, *_) = data_panels(fig)
     ticks = {*ax.yaxis.get_majorticklocs(), *ax.yaxis.get_minorticklocs()}
     assert ticks == set(range(30))  # every layer has a tick
@@ -333,14 +338,14 @@ def test_map_reads_at_thirty_layers():
 def test_bad_policy_requests():
     table = make_table()
     with pytest.raises(ValueError, match="step 7 not in"):
-        plots.plot_policy_recall(table, step=7)
+        plot_policy_recall(table, step=7)
     with pytest.raises(ValueError, match="budget 5 not in"):
-        plots.plot_policy_map(table, budget=5)
+        plot_policy_map(table, budget=5)
     with pytest.raises(ValueError, match=r"layers \[9\] are not in"):
-        plots.plot_policy_sinks(table, layers=[0, 9])
+        plot_policy_sinks(table, layers=[0, 9])
     two = pd.concat([table, make_table(prompt="sea")])
     with pytest.raises(ValueError, match="one run"):
-        plots.plot_policy_recall(two)
+        plot_policy_recall(two)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,9 +361,7 @@ def test_render_policy_figures_same_data_same_bytes(tmp_path):
     written = {}
     for run in ("a", "b"):
         outputs = policy_outputs(tmp_path / run)
-        paths = plots.render_figures(
-            [], outputs, heads=[], step=1, policy_tables=[csv], policy_budget=2
-        )
+        paths = render_figures([], outputs, heads=[], step=1, policy_tables=[csv], policy_budget=2)
         assert [str(p) for p in paths] == outputs
         written[run] = [Path(p).read_bytes() for p in outputs]
     assert written["a"] == written["b"]
@@ -382,9 +385,9 @@ def test_bad_renders_fail_before_writing(tmp_path):
     ]
     for options, message in requests:
         with pytest.raises(ValueError, match=message):
-            plots.render_figures([], outputs, heads=[], **options)
+            render_figures([], outputs, heads=[], **options)
     with pytest.raises(ValueError, match="no frame datasets"):
-        plots.render_figures([], [str(out / "statistics.svg")], heads=[], policy_tables=[csv])
+        render_figures([], [str(out / "statistics.svg")], heads=[], policy_tables=[csv])
     assert not out.exists(), "a failed request must not leave figures behind"
 
 

@@ -4,7 +4,6 @@ reduced from them (Contract 2): file names, and the plotted numbers against nump
 from __future__ import annotations
 
 import runpy
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,9 +14,22 @@ import xarray as xr
 from matplotlib.collections import PathCollection, QuadMesh
 
 from sinkscope import frames
-from sinkscope.analysis import figures, plots, reduce, stats
+from sinkscope.analysis import figures, reduce, stats
+from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots.common import head_label, save_figure
+from sinkscope.analysis.plots.survey import (
+    FIRST_FRAME_LABEL,
+    TOKEN_MASS_LABEL,
+    first_frame_image,
+    plot_survey_first_frame,
+    plot_survey_head_class,
+    plot_survey_sink_rate,
+    plot_survey_sink_rate_runs,
+    plot_survey_spatial,
+)
 from sinkscope.storage import mark_complete
 
+from .figurefixtures import svg_has_raster, svg_texts
 from .workflowtools import REPO, Named
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
@@ -198,15 +210,6 @@ def mesh_values(ax) -> np.ndarray:
     return np.ma.filled(np.ma.asarray(mesh.get_array(), dtype=float), np.nan).reshape(rows, cols)
 
 
-def svg_texts(path: Path) -> list[str]:
-    root = ET.parse(path).getroot()
-    return ["".join(el.itertext()) for el in root.iter("{http://www.w3.org/2000/svg}text")]
-
-
-def svg_has_raster(path: Path) -> bool:
-    return any(True for _ in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}image"))
-
-
 # --------------------------------------------------------------------------------------------
 # the registry
 
@@ -264,9 +267,9 @@ def test_layer_range_labels():
     assert figures.layer_range_label([8, 7, 0, 1, 2, 5]) == "L0–L2, L5, L7, L8"
     assert figures.layer_range_label([4]) == "L4"
     with pytest.raises(ValueError, match="survey"):
-        figures.FigureKind("survey_x", "plot_x", "x.rst", "run")
+        figures.FigureKind("survey_x", "survey.plot_x", "x.rst", "run")
     with pytest.raises(ValueError, match="surveyed"):
-        figures.FigureKind("x", "plot_x", "x.rst", "survey")
+        figures.FigureKind("x", "survey.plot_x", "x.rst", "survey")
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +278,7 @@ def test_layer_range_labels():
 
 def test_first_frame_cells_are_the_statistics_first_column():
     _, datasets = make_run(4, num_heads=4)
-    fig = plots.plot_survey_first_frame(datasets)
+    fig = plot_survey_first_frame(datasets)
     maps = panels(fig)
     assert [ax.get_title() for ax in maps] == [
         "step 0 · t=1000",
@@ -293,7 +296,7 @@ def test_first_frame_cells_are_the_statistics_first_column():
             np.testing.assert_allclose(values[layer], first, rtol=1e-12)
     (colorbar,) = [ax for ax in fig.axes if ax not in maps]
     assert colorbar.get_ylim() == (0.0, 1.0)
-    assert colorbar.get_ylabel() == plots.FIRST_FRAME_LABEL
+    assert colorbar.get_ylabel() == FIRST_FRAME_LABEL
     # The planted sinks are where the map is bright.
     step0 = mesh_values(maps[0])
     assert {(layer, head) for layer, head in zip(*np.nonzero(step0 > 0.8), strict=True)} == set(
@@ -303,7 +306,7 @@ def test_first_frame_cells_are_the_statistics_first_column():
 
 def test_first_frame_reads_at_thirty_layers():
     _, datasets = make_run(30, num_heads=12)
-    fig = plots.plot_survey_first_frame(datasets[::-1])  # any order: layers sorted
+    fig = plot_survey_first_frame(datasets[::-1])  # any order: layers sorted
     (ax, *_) = panels(fig)
     assert mesh_values(ax).shape == (30, 12)
     assert ax.get_ylim() == (29.5, -0.5)  # layer 0 on top
@@ -316,7 +319,7 @@ def test_first_frame_reads_at_thirty_layers():
 @pytest.mark.parametrize(("sink", "recent"), [(0.3, 0.5), (0.15, 0.7)])
 def test_head_class_markers_and_importance(sink, recent):
     _, datasets = make_run(4, num_heads=4)
-    fig = plots.plot_survey_head_class(datasets, sink_threshold=sink, recent_threshold=recent)
+    fig = plot_survey_head_class(datasets, sink_threshold=sink, recent_threshold=recent)
     maps = panels(fig)
     assert len(maps) == len(TIMESTEPS)
     first = np.stack([numpy_first(ds) for ds in datasets], axis=1)  # step, layer, head
@@ -348,7 +351,7 @@ def test_head_class_markers_and_importance(sink, recent):
 def test_sink_rate_lines_are_the_sink_rates():
     _, datasets = make_run(6, num_heads=5)
     threshold = 0.2
-    (ax,) = plots.plot_survey_sink_rate(datasets, sink_threshold=threshold).axes
+    (ax,) = plot_survey_sink_rate(datasets, sink_threshold=threshold).axes
     table = pd.concat([stats.frame_statistics(ds) for ds in datasets], ignore_index=True)
     rates = stats.sink_rates(table, threshold)
     labels = ["t=1000", "t=937.5", "t=833.33", "t=625", "cache"]
@@ -368,7 +371,7 @@ def test_sink_rate_lines_are_the_sink_rates():
 @pytest.mark.parametrize("step", [0, 4])
 def test_spatial_panels_are_the_strongest_sinks_in_order(step):
     stores, datasets = make_run(4, num_heads=4)
-    fig = plots.plot_survey_spatial(datasets, attention=stores[::-1], step=step, top=5)
+    fig = plot_survey_spatial(datasets, attention=stores[::-1], step=step, top=5)
     maps = panels(fig)
     first = {
         (layer, head): numpy_first(ds)[step, head]
@@ -378,7 +381,7 @@ def test_spatial_panels_are_the_strongest_sinks_in_order(step):
     ranked = sorted(first, key=lambda key: -first[key])[:5]
     assert ranked[:3] == list(PLANTED)  # strongest first, as planted
     assert [ax.get_title() for ax in maps] == [
-        f"{plots.head_label(*key)} · first frame {first[key]:.2f}" for key in ranked
+        f"{head_label(*key)} · first frame {first[key]:.2f}" for key in ranked
     ]
     tokens = GRID[0] * GRID[1]
     for ax, (layer, head) in zip(maps, ranked, strict=True):
@@ -409,7 +412,7 @@ def test_first_frame_image_of_a_lazily_opened_store(tmp_path):
         paths.append(path)
     opened = [reduce.open_attention_store(path) for path in paths]
     assert all(store["key_mass"].chunks is not None for store in opened)  # lazy
-    image = plots.first_frame_image(opened[1], datasets[1], head=2, step=3)
+    image = first_frame_image(opened[1], datasets[1], head=2, step=3)
     rows = last_rows(datasets[1])
     expected = stores[1]["key_mass"].values[3, 2][rows, : GRID[0] * GRID[1]].mean(axis=0)
     np.testing.assert_allclose(image, expected.reshape(GRID), rtol=1e-6)
@@ -427,7 +430,7 @@ def test_render_survey_figures(tmp_path):
     stores, datasets = make_run(4, num_heads=4)
     attention, frame_paths = write_run(tmp_path, stores, datasets)
     out = tmp_path / "figures" / "demo" / "cat"
-    written = plots.render_figures(
+    written = render_figures(
         frame_paths,
         survey_outputs(out, range(4)),
         heads=[(0, 0)],
@@ -442,7 +445,7 @@ def test_render_survey_figures(tmp_path):
         "first_frame": ["step 0 · t=1000", "step 4 · cache pass", "Layer (0-based)", "Head"],
         "head_class": ["sink: first-frame mass ≥ 0.2", "recent: own-block mass ≥ 0.6"],
         "sink_rate": ["Sink rate (importance ≥ 0.2)", "Layer (0-based)", "t=833.33", "cache"],
-        "spatial": ["L2H1 · first frame", "step 2 · t=833.33", plots.TOKEN_MASS_LABEL],
+        "spatial": ["L2H1 · first frame", "step 2 · t=833.33", TOKEN_MASS_LABEL],
     }
     for name, texts in wanted.items():
         path = out / f"survey_{name}.svg"
@@ -458,7 +461,7 @@ def test_survey_shows_the_surveyed_layers(tmp_path):
     stores, datasets = make_run(4, num_heads=2)  # head labels 0 and 1 only
     attention, frame_paths = write_run(tmp_path, stores, datasets)
     out = tmp_path / "figures"
-    plots.render_figures(
+    render_figures(
         frame_paths,
         [out / "survey_first_frame.svg", out / "survey_spatial.svg"],
         heads=[(0, 0)],
@@ -469,7 +472,7 @@ def test_survey_shows_the_surveyed_layers(tmp_path):
     titles = [t.split(" · ")[0] for t in svg_texts(out / "survey_spatial.svg") if " · first" in t]
     assert titles[0] == "L2H1" and {title[:2] for title in titles} == {"L1", "L2"}
     assert len(titles) == 4  # every head of the two surveyed layers, fewer than 8
-    plots.render_figures(frame_paths, [out / "survey_first_frame.svg"], heads=[(0, 0)])
+    render_figures(frame_paths, [out / "survey_first_frame.svg"], heads=[(0, 0)])
     assert "3" in svg_texts(out / "survey_first_frame.svg")  # layer 3 on the axis
 
 
@@ -491,7 +494,7 @@ def test_one_call_draws_a_run_and_its_survey_as_two_would(tmp_path):
         return run, compare
 
     one_run, one_compare = outputs(tmp_path / "one")
-    plots.render_figures(
+    render_figures(
         frame_paths,
         one_run,
         heads=heads,
@@ -499,19 +502,17 @@ def test_one_call_draws_a_run_and_its_survey_as_two_would(tmp_path):
         figure_layers=run_layers,
         survey_layers=surveyed,
     )
-    plots.render_figures(frame_paths, one_compare, heads=heads, survey_layers=surveyed)
+    render_figures(frame_paths, one_compare, heads=heads, survey_layers=surveyed)
     two_run, two_compare = outputs(tmp_path / "two")
     split = len(figures.run_figures("x", run_layers, [0, 2], "svg"))
-    plots.render_figures([frame_paths[0], frame_paths[2]], two_run[:split], heads=heads)
-    plots.render_figures(
-        frame_paths[1:], two_run[split:], heads=heads, attention_stores=attention[1:]
-    )
-    plots.render_figures(frame_paths[1:], two_compare, heads=heads)
+    render_figures([frame_paths[0], frame_paths[2]], two_run[:split], heads=heads)
+    render_figures(frame_paths[1:], two_run[split:], heads=heads, attention_stores=attention[1:])
+    render_figures(frame_paths[1:], two_compare, heads=heads)
     assert len(one_run) > split > 0 and one_compare
     for one, two in zip(one_run + one_compare, two_run + two_compare, strict=True):
         assert Path(one).read_bytes() == Path(two).read_bytes(), Path(one).name
     everything = tmp_path / "all" / Path(one_compare[0]).name
-    plots.render_figures(frame_paths, [everything], heads=heads)
+    render_figures(frame_paths, [everything], heads=heads)
     assert everything.read_bytes() != Path(one_compare[0]).read_bytes()
 
 
@@ -522,9 +523,7 @@ def test_bad_survey_requests_fail_before_writing(tmp_path):
     outputs = survey_outputs(out, range(3))
 
     def render(frames=frame_paths, stores=attention, **options):
-        return plots.render_figures(
-            frames, outputs, heads=[(0, 0)], attention_stores=stores, **options
-        )
+        return render_figures(frames, outputs, heads=[(0, 0)], attention_stores=stores, **options)
 
     with pytest.raises(ValueError, match=r"layer1 given twice"):
         render(stores=[*attention, attention[1]])
@@ -539,7 +538,7 @@ def test_bad_survey_requests_fail_before_writing(tmp_path):
     with pytest.raises(ValueError, match="demo/dog/layer2'] have no frame dataset"):
         render(stores=[*attention[:2], other])
     with pytest.raises(ValueError, match="not of the run demo/cat"):
-        plots.plot_survey_spatial(datasets, attention=[*stores[:2], other_store])
+        plot_survey_spatial(datasets, attention=[*stores[:2], other_store])
     with pytest.raises(FileNotFoundError, match="nowhere"):
         render(stores=[tmp_path / "nowhere.zarr"])
     unfinished = tmp_path / "unfinished.zarr"
@@ -552,15 +551,15 @@ def test_bad_survey_requests_fail_before_writing(tmp_path):
 def test_survey_figures_same_data_same_bytes(tmp_path):
     stores, datasets = make_run(3, num_heads=3)
     builds = {
-        "first_frame": lambda: plots.plot_survey_first_frame(datasets),
-        "head_class": lambda: plots.plot_survey_head_class(datasets),
-        "sink_rate": lambda: plots.plot_survey_sink_rate(datasets),
-        "spatial": lambda: plots.plot_survey_spatial(datasets, attention=stores),
-        "sink_rate_runs": lambda: plots.plot_survey_sink_rate_runs(datasets),
+        "first_frame": lambda: plot_survey_first_frame(datasets),
+        "head_class": lambda: plot_survey_head_class(datasets),
+        "sink_rate": lambda: plot_survey_sink_rate(datasets),
+        "spatial": lambda: plot_survey_spatial(datasets, attention=stores),
+        "sink_rate_runs": lambda: plot_survey_sink_rate_runs(datasets),
     }
     for name, build in builds.items():
-        first = plots.save_figure(build(), tmp_path / f"{name}_a.svg").read_bytes()
-        second = plots.save_figure(build(), tmp_path / f"{name}_b.svg").read_bytes()
+        first = save_figure(build(), tmp_path / f"{name}_a.svg").read_bytes()
+        second = save_figure(build(), tmp_path / f"{name}_b.svg").read_bytes()
         assert first == second, name
 
 
@@ -618,7 +617,7 @@ def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
         frame_paths += paths[1]
     threshold, step = 0.2, 3
     out = tmp_path / "compare"
-    (path,) = plots.render_figures(
+    (path,) = render_figures(
         frame_paths,
         [Path(f.path) for f in figures.survey_compare_figures(str(out), range(3), "svg")],
         heads=[(9, 9)],  # compare figures of figures.heads are not drawn: no check of them
@@ -628,8 +627,8 @@ def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
     )
     assert path == out / "survey_sink_rate_runs.svg" and not svg_has_raster(path)
     assert "t=625" in " ".join(svg_texts(path))
-    datasets = [plots.open_frame_dataset(p) for p in frame_paths]
-    fig = plots.plot_survey_sink_rate_runs(datasets, sink_threshold=threshold, step=step)
+    datasets = [reduce.open_frame_dataset(p) for p in frame_paths]
+    fig = plot_survey_sink_rate_runs(datasets, sink_threshold=threshold, step=step)
     (ax,) = fig.axes
     assert [line.get_label() for line in ax.lines] == [f"{c} · {p}" for c, p in runs]
     for line, (checkpoint, prompt) in zip(ax.lines, runs, strict=True):

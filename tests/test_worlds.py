@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from sinkscope.analysis import figures
+
 from .workflowtools import REPO
 
 PACKAGE = REPO / "sinkscope"
@@ -52,11 +54,38 @@ def imported_modules(path) -> set[str]:
 def test_worlds_import_only_what_they_may(world):
     offences = [
         f"{path.relative_to(REPO)} imports {name}"
-        for path in sorted((PACKAGE / world).glob("*.py"))
+        for path in sorted((PACKAGE / world).rglob("*.py"))
         for name in sorted(imported_modules(path))
         if name.startswith(FORBIDDEN[world])
     ]
     assert not offences
+
+
+PLOTS = PACKAGE / "analysis" / "plots"
+FAMILIES = ("run", "compare", "survey", "policy", "closed_loop")
+
+
+def test_the_plot_families_are_the_registrys():
+    assert set(figures.FAMILIES) == set(FAMILIES)
+    modules = {path.stem for path in PLOTS.glob("*.py")}
+    assert modules == {*FAMILIES, "common", "render", "__init__"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_figure_family_imports_the_helpers_never_another_family(family):
+    """A family module (sinkscope/analysis/plots/<family>.py) draws with the shared helpers
+    (`plots.common`) and `analysis.stats`; it never reaches into another family, the renderer or
+    the package itself, so each family can be read and changed on its own."""
+    common = "sinkscope.analysis.plots.common"
+    imported = imported_modules(PLOTS / f"{family}.py")
+    plots = {name for name in imported if name.startswith("sinkscope.analysis.plots")}
+    assert common in plots
+    assert all(name == common or name.startswith(f"{common}.") for name in plots), plots
+
+
+def test_the_helpers_import_no_family():
+    imported = imported_modules(PLOTS / "common.py")
+    assert not {name for name in imported if name.startswith("sinkscope.analysis.plots")}
 
 
 def test_parse_time_and_analysis_code_load_no_torch():
@@ -73,3 +102,14 @@ def test_parse_time_and_analysis_code_load_no_torch():
     )
     for code in (parse_time, analysis):
         subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_every_module_can_be_read_at_one_sitting():
+    """No module of the package over 900 lines, none of the plots package over 700: a module that
+    grows past that mixes concepts and wants splitting along them (as plots/ and workflow/ are)."""
+    too_long = {
+        str(path.relative_to(REPO)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > (700 if path.parent == PLOTS else 900)
+    }
+    assert not too_long

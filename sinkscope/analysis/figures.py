@@ -1,13 +1,23 @@
-"""The figures sinkscope draws, declared once.
+"""The figures sinkscope draws, declared once: the one index of every figure kind.
 
-`FIGURES` maps each kind to the function that draws it (in `sinkscope.analysis.plots`), its
-caption (`report/<caption>`), how many files it makes and which layers it shows. The rules build
-their outputs and report labels from it (`run_figures`, `compare_figures`, and with a whole-model
-survey `survey_figures`, `survey_compare_figures`, with KV-cache policy recall tables
-`policy_figures`, and with closed-loop rollouts `closed_loop_figures`); the figure scripts hand
-their outputs to `plots.render_figures`, which asks `parse_figure_path` what each file is.
+`FIGURES` maps each kind to the function that draws it (`builder`: `family.function`, a function
+of the family module `sinkscope.analysis.plots.<family>`), its caption (`report/<caption>`), how
+many files it makes and which layers it shows. The rules build their outputs and report labels
+from it (`run_figures`, `compare_figures`, and with a whole-model survey `survey_figures`,
+`survey_compare_figures`, with KV-cache policy recall tables `policy_figures`, and with
+closed-loop rollouts `closed_loop_figures`); the figure scripts hand their outputs to
+`plots.render_figures`, which asks `parse_figure_path` what each file is and calls its builder.
 
-Adding a figure: a `plot_*` function in plots.py, an entry here, a caption in report/, a test.
+Families (`FAMILIES`, one module each under `sinkscope/analysis/plots/`): `run` (one run's layer
+and run figures, Fig. 4 among them), `compare` (across runs), `survey` (the whole-model survey),
+`policy` (KV-cache policy recall), `closed_loop` (rollouts past the cache). Shared drawing helpers
+live in `plots/common.py`; a family module never imports another.
+
+Adding a figure to a family touches four files: a `plot_*` function in its family module, an
+entry here, a caption in report/, a test in the family's test module
+(`tests/test_<family>_figures.py`). A layer figure on a colour scale shared by the run's layers
+also names its values in `plots.run.SHARED_SCALES`, a closed-loop figure its table in
+`plots.closed_loop.TABLES` (both in the family module).
 
 Scopes:
 - `layer`: one file per captured layer of a (checkpoint, prompt): `layer{L}_{kind}.{fmt}`; the
@@ -57,17 +67,25 @@ POLICY_PREFIX = "policy_"  # file names of policy recall figures: policy_{kind}.
 CLOSED_LOOP_PREFIX = "closed_loop_"  # file names of closed-loop figures: closed_loop_{kind}.{fmt}
 MODEL_LABEL = "all"  # the `layer` label of a figure of the whole model (layers `model`)
 FORMATS = ("svg", "png", "pdf")
+# The figure families: one module of sinkscope.analysis.plots each.
+FAMILIES = ("run", "compare", "survey", "policy", "closed_loop")
 
 
 @dataclass(frozen=True)
 class FigureKind:
     name: str
-    builder: str  # the function in sinkscope.analysis.plots
+    builder: str  # "family.function": the function in sinkscope.analysis.plots.<family>
     caption: str  # file in report/
     scope: str
     layers: str = "captured"
 
     def __post_init__(self):
+        family, _, function = self.builder.partition(".")
+        if family not in FAMILIES or not function.startswith("plot_"):
+            raise ValueError(
+                f"figure {self.name}: builder {self.builder!r} is not family.plot_* of a family "
+                f"in {list(FAMILIES)}"
+            )
         if self.scope not in SCOPES or self.layers not in LAYER_SETS:
             raise ValueError(f"figure {self.name}: bad scope {self.scope} or layers {self.layers}")
         if self.scope == "survey" and not self.surveyed:
@@ -85,6 +103,16 @@ class FigureKind:
         for prefix in (SURVEY_PREFIX, POLICY_PREFIX, CLOSED_LOOP_PREFIX):
             if self.name.startswith(prefix):
                 raise ValueError(f"figure {self.name}: {prefix} is the file prefix of some kinds")
+
+    @property
+    def family(self) -> str:
+        """The module of sinkscope.analysis.plots that draws this kind."""
+        return self.builder.partition(".")[0]
+
+    @property
+    def function(self) -> str:
+        """The function of the family module that draws this kind."""
+        return self.builder.partition(".")[2]
 
     @property
     def surveyed(self) -> bool:
@@ -115,51 +143,63 @@ class FigureKind:
 FIGURES = {
     kind.name: kind
     for kind in (
-        FigureKind("figure4", "plot_figure4", "figure4.rst", "run", "heads"),
-        FigureKind("heads_grid", "plot_heads_grid", "heads_grid.rst", "layer"),
-        FigureKind("heads_heatmap", "plot_heads_heatmap", "heads_heatmap.rst", "layer"),
-        FigureKind("frame_maps", "plot_frame_maps", "frame_maps.rst", "layer"),
-        FigureKind("layer_comparison", "plot_layer_comparison", "layer_comparison.rst", "run"),
-        FigureKind("statistics", "plot_statistics", "statistics.rst", "run"),
+        FigureKind("figure4", "run.plot_figure4", "figure4.rst", "run", "heads"),
+        FigureKind("heads_grid", "run.plot_heads_grid", "heads_grid.rst", "layer"),
+        FigureKind("heads_heatmap", "run.plot_heads_heatmap", "heads_heatmap.rst", "layer"),
+        FigureKind("frame_maps", "run.plot_frame_maps", "frame_maps.rst", "layer"),
+        FigureKind("layer_comparison", "run.plot_layer_comparison", "layer_comparison.rst", "run"),
+        FigureKind("statistics", "run.plot_statistics", "statistics.rst", "run"),
         FigureKind(
-            "checkpoints", "plot_checkpoints", "compare_checkpoints.rst", "compare", "heads"
+            "checkpoints", "compare.plot_checkpoints", "compare_checkpoints.rst", "compare", "heads"
         ),
-        FigureKind("prompts", "plot_prompts", "compare_prompts.rst", "compare", "heads"),
-        FigureKind("passes", "plot_passes", "compare_passes.rst", "compare", "heads"),
+        FigureKind("prompts", "compare.plot_prompts", "compare_prompts.rst", "compare", "heads"),
+        FigureKind("passes", "compare.plot_passes", "compare_passes.rst", "compare", "heads"),
         FigureKind(
             "first_frame",
-            "plot_survey_first_frame",
+            "survey.plot_survey_first_frame",
             "survey_first_frame.rst",
             "survey",
             "surveyed",
         ),
         FigureKind(
-            "head_class", "plot_survey_head_class", "survey_head_class.rst", "survey", "surveyed"
+            "head_class",
+            "survey.plot_survey_head_class",
+            "survey_head_class.rst",
+            "survey",
+            "surveyed",
         ),
         FigureKind(
-            "sink_rate", "plot_survey_sink_rate", "survey_sink_rate.rst", "survey", "surveyed"
+            "sink_rate",
+            "survey.plot_survey_sink_rate",
+            "survey_sink_rate.rst",
+            "survey",
+            "surveyed",
         ),
-        FigureKind("spatial", "plot_survey_spatial", "survey_spatial.rst", "survey", "surveyed"),
+        FigureKind(
+            "spatial", "survey.plot_survey_spatial", "survey_spatial.rst", "survey", "surveyed"
+        ),
         FigureKind(
             "sink_rate_runs",
-            "plot_survey_sink_rate_runs",
+            "survey.plot_survey_sink_rate_runs",
             "survey_sink_rate_runs.rst",
             "compare",
             "surveyed",
         ),
-        FigureKind("recall", "plot_policy_recall", "policy_recall.rst", "policies", "policies"),
-        FigureKind("sinks", "plot_policy_sinks", "policy_sinks.rst", "policies", "policies"),
-        FigureKind("map", "plot_policy_map", "policy_map.rst", "policies", "policies"),
+        FigureKind(
+            "recall", "policy.plot_policy_recall", "policy_recall.rst", "policies", "policies"
+        ),
+        FigureKind("sinks", "policy.plot_policy_sinks", "policy_sinks.rst", "policies", "policies"),
+        FigureKind("map", "policy.plot_policy_map", "policy_map.rst", "policies", "policies"),
         FigureKind(
             "deviation",
-            "plot_closed_loop_deviation",
+            "closed_loop.plot_closed_loop_deviation",
             "closed_loop_deviation.rst",
             "closed_loop",
             "model",
         ),
         FigureKind(
             "recall_deviation",
-            "plot_closed_loop_recall",
+            "closed_loop.plot_closed_loop_recall",
             "closed_loop_recall.rst",
             "closed_loop",
             "model",

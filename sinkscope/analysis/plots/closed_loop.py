@@ -1,0 +1,380 @@
+"""The closed-loop figures (`closed_loop` scope): rollouts longer than the cache under a KV-cache
+policy, drawn from their deviation tables and summary (Contract 6,
+`sinkscope.analysis.closed_loop`), not from frame datasets.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Sequence
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+from sinkscope.analysis.closed_loop import OFFLINE_POLICY, evicting_frame, policy_label
+
+from .common import COLUMN_WIDTH_IN, FULL_WIDTH_IN, legend_handles, panel_grid, styled
+
+CLOSED_LOOP_TITLE = "Closed loop: latent deviation from the full-cache rollout"
+CLOSED_LOOP_L2_LABEL = "Relative L2 to the full-cache rollout"
+CLOSED_LOOP_MEAN_LABEL = "Mean relative L2 from the first eviction on"
+CLOSED_LOOP_RECALL_LABEL = "Offline recall where the policy drops keys"
+CLOSED_LOOP_COLORS = {  # the families of plot_policy_recall: window black, sinks blue, top-C orange
+    "window": "black",
+    "sink_window": "#2171b5",
+    "deep_sink": "#6a3d9a",
+    "top_c": "#d95f02",
+}
+CLOSED_LOOP_MARKERS = {"window": "o", "sink_window": "s", "deep_sink": "D", "top_c": "^"}
+CLOSED_LOOP_LOG_DECADES = 1.0  # a log axis when the non-zero values span more than this
+EVICTION_STYLE = {"color": "0.45", "linewidth": 0.6, "linestyle": "--"}
+TRAINING_STYLE = {"color": "0.45", "linewidth": 0.8, "linestyle": ":"}
+NOTE_WIDTH = 70  # characters per line of a note under a figure one column wide
+MARKED_BLOCKS = 16  # the deviation lines mark the first frame of at most this many blocks
+
+
+def _closed_loop_policies(table: pd.DataFrame) -> list[tuple[str, int, int, int]]:
+    """(policy, budget, sink_frames, recent_frames) of every closed-loop policy of `table`, in the
+    order window, sink_window, deep_sink, top_c, then by budget, S and R."""
+    order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
+    columns = table[["policy", "budget", "sink_frames", "recent_frames"]]
+    keys = {(str(p), int(b), int(s), int(r)) for p, b, s, r in columns.itertuples(index=False)}
+    return sorted(keys, key=lambda key: (order.get(key[0], len(order)), *key[1:]))
+
+
+def _closed_loop_styles(keys: Sequence[tuple[str, int, int, int]]) -> dict[tuple, dict]:
+    """Colour and marker by policy (`CLOSED_LOOP_COLORS`, `CLOSED_LOOP_MARKERS`); several budgets
+    or S of one policy get lighter shades and new dashes."""
+    dashes = ["-", "--", "-.", ":"]
+    styles = {}
+    for policy in dict.fromkeys(key[0] for key in keys):
+        family = [key for key in keys if key[0] == policy]
+        base = np.array(matplotlib.colors.to_rgb(CLOSED_LOOP_COLORS.get(policy, "0.3")))
+        for i, key in enumerate(family):
+            lighten = 0.55 * i / max(len(family) - 1, 1)  # the first one in full colour
+            styles[key] = {
+                "color": tuple(base + (1 - base) * lighten),
+                "linestyle": dashes[i % len(dashes)],
+                "marker": CLOSED_LOOP_MARKERS.get(policy, "o"),
+            }
+    return styles
+
+
+def _closed_loop_label(key: tuple[str, int, int, int]) -> str:
+    return policy_label(*key)
+
+
+def closed_loop_runs(table: pd.DataFrame, what: str) -> list[tuple[str, str]]:
+    if table.empty:
+        raise ValueError(f"the closed-loop {what} has no rows")
+    pairs = zip(table["checkpoint"], table["prompt"], strict=True)
+    return sorted({(str(checkpoint), str(prompt)) for checkpoint, prompt in pairs})
+
+
+def _log_worthy(values: np.ndarray) -> bool:
+    """True when the positive finite values span more than CLOSED_LOOP_LOG_DECADES decades."""
+    values = np.asarray(values, dtype=float)
+    positive = values[np.isfinite(values) & (values > 0)]
+    if positive.size < 2:
+        return False
+    return bool(np.log10(positive.max() / positive.min()) > CLOSED_LOOP_LOG_DECADES)
+
+
+def _block_starts(blocks: np.ndarray) -> list[int]:
+    """Positions of the first frame of each block (of every k-th block when there are more than
+    MARKED_BLOCKS): where a deviation line puts its markers."""
+    starts = np.flatnonzero(np.diff(blocks, prepend=blocks[0] - 1) != 0)
+    return starts[:: math.ceil(len(starts) / MARKED_BLOCKS)].tolist()
+
+
+def _log_axis(ax: Axes, values: np.ndarray) -> None:
+    """A log y axis with plain numbers (0.01, 0.02, 0.05, 0.1): ticks at 1, 2 and 5 times the
+    powers of ten when `values` span at most three decades, else at the powers alone."""
+    positive = values[np.isfinite(values) & (values > 0)]
+    decades = np.log10(positive.max() / positive.min())
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _run_names(runs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """The shortest name that tells the runs apart: the prompt when the checkpoint is always the
+    same, the checkpoint when the prompt is, else both."""
+    if len({c for c, _ in runs}) == 1:
+        return {run: run[1] for run in runs}
+    if len({p for _, p in runs}) == 1:
+        return {run: run[0] for run in runs}
+    return {run: f"{run[0]} · {run[1]}" for run in runs}
+
+
+def _frame_list(values: Sequence[int]) -> str:
+    return ", ".join(str(int(v)) for v in values)
+
+
+@styled
+def plot_closed_loop_deviation(
+    table: pd.DataFrame, *, train_frames: int | None = None, titles: bool = True
+) -> Figure:
+    """Relative L2 of each latent frame to the full-cache rollout (the stacked deviation tables of
+    Contract 6, `read_deviation`): one panel per (checkpoint, prompt), one line per
+    policy, a dashed line at the first frame each budget evicts keys for, a dotted one at the
+    training length `train_frames`. The y axis is logarithmic when the non-zero values span more
+    than a decade; the exact zeros (frames before the first eviction) are then left out. Without
+    `titles` a single run's panel is not named (the caption names it)."""
+    runs = closed_loop_runs(table, "deviation table")
+    keys = _closed_loop_policies(table)
+    styles = _closed_loop_styles(keys)
+    log = _log_worthy(table["rel_l2"].to_numpy(dtype=float))
+    last = int(table["frame"].max())
+    ncols = min(len(runs), 3)
+    nrows = math.ceil(len(runs) / ncols)
+    legend_rows = math.ceil((len(keys) + 1 + (train_frames is not None)) / 3)
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, 1.9 * nrows + 0.75 + 0.12 * legend_rows), layout="constrained"
+    )
+    axes = panel_grid(fig, len(runs), ncols, sharex=True, sharey=True)
+    evictions: dict[int, set[int]] = {}  # budget -> its first evicting frames in every panel
+    for index, (ax, (checkpoint, prompt)) in enumerate(zip(axes, runs, strict=True)):
+        run = table[(table["checkpoint"] == checkpoint) & (table["prompt"] == prompt)]
+        run_evictions: dict[int, int] = {}
+        for key in keys:
+            policy, budget, sink, recent = key
+            rows = run[
+                (run["policy"] == policy)
+                & (run["budget"] == budget)
+                & (run["sink_frames"] == sink)
+                & (run["recent_frames"] == recent)
+            ].sort_values("frame")
+            if rows.empty:
+                continue
+            y = rows["rel_l2"].to_numpy(dtype=float)
+            ax.plot(
+                rows["frame"].to_numpy(dtype=float),
+                np.where(y > 0, y, np.nan) if log else y,
+                label=_closed_loop_label(key),
+                markersize=2.0,
+                markevery=_block_starts(rows["block"].to_numpy()),
+                **styles[key],
+            )
+            start = evicting_frame(rows["frame"], rows["block"], budget)
+            if start is not None:
+                run_evictions.setdefault(budget, start)
+                evictions.setdefault(budget, set()).add(start)
+        for budget, start in sorted(run_evictions.items()):
+            ax.axvline(start, label=f"_first eviction, B = {budget}", zorder=1, **EVICTION_STYLE)
+        if train_frames is not None:
+            ax.axvline(train_frames, label="_training length", zorder=1, **TRAINING_STYLE)
+        if titles or len(runs) > 1:
+            ax.set_title(f"{checkpoint} · {prompt}")
+        ax.set_xlim(-0.5, last + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=8, integer=True))
+        ax.grid(axis="y", color="0.9", linewidth=0.4)
+        ax.set_axisbelow(True)
+        if index + ncols >= len(axes):  # no panel below: this one labels the x axis
+            ax.tick_params(labelbottom=True)
+            ax.set_xlabel("Latent frame (0-based)")
+    if log:
+        _log_axis(axes[0], table["rel_l2"].to_numpy(dtype=float))
+    else:
+        axes[0].set_ylim(bottom=0)
+    handles = legend_handles(axes)
+    if evictions:
+        budgets = sorted(evictions)
+        if any(len(starts) > 1 for starts in evictions.values()):
+            label = "first eviction of each budget"
+        elif len(budgets) == 1:
+            label = f"first eviction (frame {min(evictions[budgets[0]])}, B = {budgets[0]})"
+        else:
+            starts = _frame_list(min(evictions[budget]) for budget in budgets)
+            label = f"first eviction (frames {starts} for B = {_frame_list(budgets)})"
+        handles[label] = Line2D([], [], **EVICTION_STYLE)
+    if train_frames is not None:
+        handles[f"training length ({int(train_frames)} frames)"] = Line2D([], [], **TRAINING_STYLE)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3)
+    fig.supylabel(f"{CLOSED_LOOP_L2_LABEL}\n‖x − x_full‖ / ‖x_full‖ per frame")
+    zeros = log and bool((table["rel_l2"] == 0).any())
+    detail = "clean latents, same noise, rolled out past the cache"
+    if zeros:
+        detail += " · log axis: frames equal to the reference (0) are not drawn"
+    fig.suptitle(f"{CLOSED_LOOP_TITLE}\n{detail}")
+    return fig
+
+
+POINT_LABEL_PT = 5.0  # font size of the run names beside the points
+_LABEL_OFFSETS = [(3, 1, "left", "bottom"), (3, -1, "left", "top"), (-3, 1, "right", "bottom")]
+_LABEL_OFFSETS += [(-3, -1, "right", "top"), (0, 4, "center", "bottom"), (0, -4, "center", "top")]
+
+
+def _label_points(ax: Axes, x: np.ndarray, y: np.ndarray, labels: Sequence[str]) -> None:
+    """Name each point beside it, at the first of `_LABEL_OFFSETS` where the name covers no
+    other name or point (measured in points on the axes' current limits, scales and figure
+    size), else up and to the right. Call once the limits and scales are final."""
+    width, height = (ax.figure.get_size_inches() * ax.get_position().size * 72).tolist()
+    to_axes = ax.transAxes.inverted()
+    points = [
+        tuple(to_axes.transform(ax.transData.transform((xv, yv))) * (width, height))
+        for xv, yv in zip(x, y, strict=True)
+    ]
+    taken = [(px - 2.5, py - 2.5, px + 2.5, py + 2.5) for px, py in points]
+    for (xv, yv), (px, py), label in zip(zip(x, y, strict=True), points, labels, strict=True):
+        text_width = 0.55 * POINT_LABEL_PT * len(label)
+        place = _LABEL_OFFSETS[0]
+        for dx, dy, ha, va in _LABEL_OFFSETS:
+            left = {"left": px + dx, "right": px + dx - text_width}.get(ha, px - text_width / 2)
+            bottom = py + dy if va == "bottom" else py + dy - POINT_LABEL_PT
+            box = (left, bottom, left + text_width, bottom + POINT_LABEL_PT)
+            if all(
+                box[2] <= o[0] or o[2] <= box[0] or box[3] <= o[1] or o[3] <= box[1] for o in taken
+            ):
+                place = (dx, dy, ha, va)
+                taken.append(box)
+                break
+        dx, dy, ha, va = place
+        ax.annotate(
+            label,
+            xy=(xv, yv),
+            xytext=(dx, dy),
+            textcoords="offset points",
+            ha=ha,
+            va=va,
+            fontsize=POINT_LABEL_PT,
+            color="0.35",
+        )
+
+
+NOTE_ITEMS = 8  # policies named in the note of rows not drawn; the rest are counted
+
+
+def _left_out_note(
+    rows: pd.DataFrame, keys: Sequence[tuple], names: dict[tuple[str, str], str]
+) -> str:
+    """'Not drawn, no offline recall: top_c B=9 R=3 (cat, sea); never evicts: window B=42.',
+    the runs left out when the figure has several, wrapped under the figure."""
+    reasons: dict[str, dict[tuple, list[str]]] = {"no offline recall": {}, "never evicts": {}}
+    for row in rows.itertuples(index=False):
+        key = (str(row.policy), int(row.budget), int(row.sink_frames), int(row.recent_frames))
+        why = "never evicts" if not np.isfinite(row.rel_l2_mean) else "no offline recall"
+        name = names[(str(row.checkpoint), str(row.prompt))].replace(" ", "\N{NO-BREAK SPACE}")
+        reasons[why].setdefault(key, []).append(name)  # a run's name stays on one line
+    parts, shown, hidden = [], 0, 0
+    for why, by_key in reasons.items():
+        items = []
+        for key in [key for key in keys if key in by_key]:
+            if shown >= NOTE_ITEMS:
+                hidden += 1
+                continue
+            shown += 1
+            runs = by_key[key]
+            if len(names) == 1:  # the title names the run
+                where = ""
+            elif len(runs) == len(names):
+                where = " (every run)"
+            else:
+                where = f" ({', '.join(runs)})"
+            items.append(f"{_closed_loop_label(key)}{where}")
+        if items:
+            parts.append(f"{why}: {', '.join(items)}")
+    text = "Not drawn, " + "; ".join(parts)
+    text += f"; and {hidden} more (see the summary table)." if hidden else "."
+    return "\n".join(textwrap.wrap(text, NOTE_WIDTH))
+
+
+@styled
+def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figure:
+    """Mean relative L2 from the first eviction on (y) against the offline recall of the same
+    choice of keys (x) of each closed-loop rollout (the summary, `closed_loop_summary` of
+    `sinkscope.analysis.closed_loop`): one point per run and policy, colour and marker by policy.
+    Rows without a recall or a mean (no offline rows, no eviction) are named in a note instead.
+    Without `titles` the title does not name the run (the caption does)."""
+    runs = closed_loop_runs(table, "summary")
+    keys = _closed_loop_policies(table)
+    styles = _closed_loop_styles(keys)
+    names = _run_names(runs)
+    recall = table["recall"].to_numpy(dtype=float)
+    mean = table["rel_l2_mean"].to_numpy(dtype=float)
+    drawn = table[np.isfinite(recall) & np.isfinite(mean)]
+    left_out = table[~(np.isfinite(recall) & np.isfinite(mean))]
+    legend_rows = math.ceil(len(keys) / 2)
+    fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.9 + 0.12 * legend_rows), layout="constrained")
+    ax = fig.add_subplot()
+    for key in keys:
+        policy, budget, sink, recent = key
+        rows = drawn[
+            (drawn["policy"] == policy)
+            & (drawn["budget"] == budget)
+            & (drawn["sink_frames"] == sink)
+            & (drawn["recent_frames"] == recent)
+        ]
+        if rows.empty:
+            continue
+        style = {**styles[key], "linestyle": "none"}
+        ax.plot(
+            rows["recall"].to_numpy(dtype=float),
+            rows["rel_l2_mean"].to_numpy(dtype=float),
+            label=_closed_loop_label(key),
+            markersize=4.6 if style["marker"] == "^" else 4.0,  # a triangle looks smaller
+            markeredgewidth=0.5,
+            markeredgecolor="white",
+            **style,
+        )
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_xticks([0.0, 0.25, 0.5, 0.75, 1.0])
+    ax.grid(color="0.9", linewidth=0.4)
+    ax.set_axisbelow(True)
+    means = drawn["rel_l2_mean"].to_numpy(dtype=float)
+    if _log_worthy(means) and (means > 0).all():
+        _log_axis(ax, means)
+    elif means.size and means.max() > 0:
+        ax.set_ylim(0, means.max() * 1.12)  # room above the top point for its name
+    else:
+        ax.set_ylim(bottom=0)
+    if len(runs) > 1 and not drawn.empty:
+        _label_points(
+            ax,
+            drawn["recall"].to_numpy(dtype=float),
+            drawn["rel_l2_mean"].to_numpy(dtype=float),
+            [
+                names[(str(c), str(p))]
+                for c, p in zip(drawn["checkpoint"], drawn["prompt"], strict=True)
+            ],
+        )
+    ax.set_xlabel(f"{CLOSED_LOOP_RECALL_LABEL}\n(mean over the captured layers, heads and steps)")
+    ax.set_ylabel(CLOSED_LOOP_MEAN_LABEL)
+    if drawn.empty:
+        ax.text(
+            0.5,
+            0.5,
+            "no rollout has both an offline recall and an eviction",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="0.4",
+        )
+        ax.set_ylim(0, 1)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.02), ncols=2)
+    if not left_out.empty:
+        fig.supxlabel(_left_out_note(left_out, keys, names), fontsize=5.5, color="0.35")
+    if len(runs) > 1:
+        where = f"{len(runs)} runs · one point per run and policy"
+    elif titles:
+        where = f"{runs[0][0]} · {runs[0][1]} · one point per policy"
+    else:
+        where = "one point per policy"
+    fig.suptitle(f"Closed loop: deviation against offline recall\n{where}")
+    return fig
+
+
+# The table each closed-loop figure draws (`render_figures` reads it): the stacked deviation
+# tables or the summary.
+TABLES = {
+    "plot_closed_loop_deviation": "deviation",
+    "plot_closed_loop_recall": "summary",
+}

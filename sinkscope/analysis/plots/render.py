@@ -1,0 +1,240 @@
+"""`render_figures`: the one entry point the figure scripts call. It opens the zarr stores (frame
+datasets, and for the whole-model survey the attention stores of Contract 4) and the tables,
+checks every request before the first file is written, and hands each file of the rules'
+outputs to the function the registry (`sinkscope.analysis.figures`) names for its kind, in the
+kind's family module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+from matplotlib.figure import Figure
+
+from sinkscope.analysis import figures
+from sinkscope.analysis.closed_loop import read_closed_loop_summary, read_deviation
+from sinkscope.analysis.policies import read_policies
+from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
+
+from . import closed_loop, compare, policy, run, survey
+from .common import (
+    by_layer,
+    check_options,
+    checkpoint_of,
+    color_limits,
+    layer_of,
+    prompt_of,
+    save_figure,
+    select_step,
+)
+
+
+def _datasets_for(
+    layers: str, datasets: Sequence[xr.Dataset], heads: Sequence[tuple[int, int]]
+) -> list[xr.Dataset]:
+    """The datasets a run or compare figure reads (`FigureKind.layers`): all (`captured`), or
+    those of the heads' layers (`heads`). When none holds a head's layer all are kept, so that
+    the figure's own check names the missing layer."""
+    if layers == "captured":
+        return list(datasets)
+    return _of_layers(datasets, [layer for layer, _ in heads]) or list(datasets)
+
+
+def _of_layers(datasets: Sequence[xr.Dataset], layers: Sequence[int] | None) -> list[xr.Dataset]:
+    """The datasets of `layers` (all of them for None)."""
+    if layers is None:
+        return list(datasets)
+    wanted = {int(layer) for layer in layers}
+    return [ds for ds in datasets if layer_of(ds) in wanted]
+
+
+def _survey_datasets(
+    datasets: Sequence[xr.Dataset], attention: Sequence[xr.Dataset]
+) -> list[xr.Dataset]:
+    """The frame datasets a survey figure shows: those of the attention stores' layers when
+    stores are given (each needs one), else every one given."""
+    if not attention:
+        return list(datasets)
+    wanted = {_store_key(store) for store in attention}
+    have = {(checkpoint_of(ds), prompt_of(ds), layer_of(ds)) for ds in datasets}
+    missing = [f"{c}/{p}/layer{layer}" for c, p, layer in sorted(wanted - have)]
+    if missing:
+        raise ValueError(f"the attention stores {missing} have no frame dataset given")
+    return [ds for ds in datasets if (checkpoint_of(ds), prompt_of(ds), layer_of(ds)) in wanted]
+
+
+def _store_key(store: xr.Dataset) -> tuple[str, str, int]:
+    return (str(store.attrs["checkpoint"]), str(store.attrs["prompt"]), int(store.attrs["layer"]))
+
+
+def render_figures(
+    frame_stores: Sequence[str | os.PathLike],
+    outputs: Sequence[str | os.PathLike],
+    *,
+    heads: Sequence[tuple[int, int]],
+    measure: str = "logits",
+    frame_axis: str = "latent",
+    step: int = 0,
+    attention_stores: Sequence[str | os.PathLike] = (),
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
+    policy_tables: Sequence[str | os.PathLike] = (),
+    policy_budget: int | None = None,
+    policy_layers: Sequence[int] | None = None,
+    deviation_tables: Sequence[str | os.PathLike] = (),
+    closed_loop_summary: str | os.PathLike | None = None,
+    train_frames: int | None = None,
+    annotate: Sequence[str] = ("max",),
+    titles: bool = True,
+    shared_scale: bool = True,
+    figure_layers: Sequence[int] | None = None,
+    survey_layers: Sequence[int] | None = None,
+) -> list[Path]:
+    """Draw each file of `outputs` from the frame datasets `frame_stores`; returns the paths.
+
+    What a file shows comes from its name (`figures.parse_figure_path`: kind, layer, format), so
+    the rules' outputs alone decide what is drawn and where. Layer, run and survey figures need
+    the stores of one (checkpoint, prompt); compare figures take any number of runs. Survey
+    figures (and survey compare figures) show the layers of the attention stores
+    `attention_stores` (Contract 4; every one needs its frame dataset), or every frame dataset
+    when none is given; `survey_spatial` needs the stores. `figure_layers` and `survey_layers`,
+    when given, pick the frame datasets the other figures and the survey figures show, so that
+    one call draws a run's figures and its survey from one list. `sink_threshold` and
+    `recent_threshold` are the statistics' (head class, sink rate). Policy figures draw the recall
+    tables `policy_tables` (Contract 5) of one run, at step `step`, with `policy_budget` (the sink
+    sweep and map; default `default_policy_budget`) and `policy_layers` (default
+    `default_policy_layers`); they need no frame dataset. Closed-loop figures draw the
+    deviation tables `deviation_tables` (Contract 6, every run and policy: `closed_loop_deviation`)
+    or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), with the training length
+    `train_frames` (latent frames) marked; they need no frame dataset either.
+
+    Options for a paper (`figures` in the config): `annotate` ('max', 'min': what figure4
+    annotates), `titles` (False: titles leave out the run's checkpoint, prompt and timestep,
+    which the caption then names), `shared_scale` (True: the colour maps of a run's layers,
+    heads heatmaps and frame maps, share one colour scale, so that the files compare; False: each
+    file its own). Every request (heads, step, options, names) is checked before the first file
+    is written.
+    """
+    check_options(measure, frame_axis)
+    run.check_annotate(annotate)
+    plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
+    kinds = [kind for _, kind, _, _ in plan]
+    datasets = [open_frame_dataset(path) for path in frame_stores]
+    # The frame datasets of the layer, run and compare figures (the survey picks its own).
+    shown = _of_layers(datasets, figure_layers)
+    if not datasets and any(kind.scope not in ("policies", "closed_loop") for kind in kinds):
+        raise ValueError("no frame datasets given")
+    tables = _closed_loop_tables(kinds, deviation_tables, closed_loop_summary, train_frames)
+    attention = [open_attention_store(path) for path in attention_stores]
+    for ds in datasets:
+        select_step(ds, step)
+    if any(kind.scope == "policies" for kind in kinds):
+        if not policy_tables:
+            raise ValueError("policy figures need the run's recall table (policy_tables)")
+        table = pd.concat([read_policies(path) for path in policy_tables])
+        rows = policy.policy_last_block(table, step)
+        policy.chosen_budget(rows, policy_budget)
+        policy.chosen_layers(rows, policy_layers)
+    if any(kind.scope in ("layer", "run") for kind in kinds):
+        layers = by_layer(shown)
+        run.check_run_heads(layers, heads)
+    if any(kind.scope == "compare" and not kind.surveyed for kind in kinds):
+        compare.check_compare_inputs(_datasets_for("heads", shown, heads), heads)
+    if any(kind.surveyed for kind in kinds):
+        survey_data = _survey_datasets(_of_layers(datasets, survey_layers), attention)
+        runs = survey.survey_runs(survey_data)
+    if any(kind.scope == "survey" for kind in kinds):
+        if len(runs) > 1:
+            raise ValueError(f"survey figures show one run, got {list(runs)}")
+        surveyed = next(iter(runs.values()))
+        if attention or any("attention" in _accepted(kind) for kind in kinds):
+            survey.attention_by_layer(attention, surveyed)
+    options = {
+        "heads": heads,
+        "measure": measure,
+        "frame_axis": frame_axis,
+        "step": step,
+        "attention": attention,
+        "sink_threshold": sink_threshold,
+        "recent_threshold": recent_threshold,
+        "budget": policy_budget,
+        "layers": policy_layers,
+        "train_frames": train_frames,
+        "annotate": tuple(annotate),
+        "titles": bool(titles),
+    }
+    scales: dict[str, tuple[float, float]] = {}
+    written = []
+    for path, kind, layer, fmt in plan:
+        kwargs = {name: value for name, value in options.items() if name in _accepted(kind)}
+        if shared_scale and kind.family == "run" and kind.function in run.SHARED_SCALES:
+            if kind.builder not in scales:
+                drawn = run.SHARED_SCALES[kind.function]
+                values = [drawn(ds, measure, step) for ds in layers.values()]
+                pooled = np.concatenate([np.ravel(v) for v in values])
+                scales[kind.builder] = color_limits(pooled, measure)
+            kwargs["color_limits"] = scales[kind.builder]
+        if kind.scope == "layer":
+            if layer not in layers:
+                raise ValueError(f"{path}: no frame dataset of layer {layer} given")
+            data = layers[layer]
+        elif kind.surveyed:
+            data = survey_data
+        elif kind.scope == "policies":
+            data = table
+        elif kind.scope == "closed_loop":
+            data = tables[closed_loop.TABLES[kind.function]]
+        else:
+            data = _datasets_for(kind.layers, shown, heads)
+        written.append(save_figure(builder_of(kind)(data, **kwargs), path, fmt))
+    return written
+
+
+def _closed_loop_tables(
+    kinds: Sequence[figures.FigureKind],
+    deviation_tables: Sequence[str | os.PathLike],
+    summary: str | os.PathLike | None,
+    train_frames: int | None,
+) -> dict[str, pd.DataFrame]:
+    """The tables the closed-loop kinds of `kinds` draw, read and checked (none else)."""
+    wanted = {closed_loop.TABLES[kind.function] for kind in kinds if kind.scope == "closed_loop"}
+    if train_frames is not None and (int(train_frames) != train_frames or train_frames < 1):
+        raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
+    tables = {}
+    if "deviation" in wanted:
+        if not deviation_tables:
+            raise ValueError("closed-loop deviation figures need the deviation tables")
+        tables["deviation"] = read_deviation(list(deviation_tables))
+    if "summary" in wanted:
+        if summary is None:
+            raise ValueError("closed-loop recall figures need the closed-loop summary")
+        tables["summary"] = read_closed_loop_summary(summary)
+        closed_loop.closed_loop_runs(tables["summary"], "summary")
+    return tables
+
+
+def _accepted(kind: figures.FigureKind) -> set[str]:
+    """The options the builder of `kind` takes."""
+    return set(inspect.signature(builder_of(kind)).parameters)
+
+
+# The family modules, by the name the registry's builders give them ("run.plot_figure4").
+FAMILIES: dict[str, ModuleType] = {
+    "run": run,
+    "compare": compare,
+    "survey": survey,
+    "policy": policy,
+    "closed_loop": closed_loop,
+}
+
+
+def builder_of(kind: figures.FigureKind) -> Callable[..., Figure]:
+    """The function that draws `kind`: `kind.function` of its family module."""
+    return getattr(FAMILIES[kind.family], kind.function)

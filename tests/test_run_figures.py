@@ -1,0 +1,439 @@
+"""The figures of one run (family `sinkscope.analysis.plots.run`): Deep Forcing Fig. 4, heads
+grid, heads heatmap, frame maps, layer comparison and statistics, drawn from synthetic frame
+datasets (Contract 2): files, text, and the plotted numbers against numpy and the statistics CSV
+(Contract 3); the paper options (query block shaded, minimum annotated, seam-free vector maps,
+latent frame 0 wide on the video axis, linear or log scales, one colour scale across layers,
+legends off the data)."""
+
+from __future__ import annotations
+
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import matplotlib.colors as mcolors
+import numpy as np
+import pytest
+from matplotlib.collections import QuadMesh
+from matplotlib.container import BarContainer
+from matplotlib.text import Annotation, Text
+
+from sinkscope import frames
+from sinkscope.analysis import stats
+from sinkscope.analysis.plots import render, render_figures
+from sinkscope.analysis.plots.common import (
+    MEASURE_VARIABLES,
+    PROFILE_LABELS,
+    UNSEEN_COLOR,
+    color_limits,
+    frame_edges,
+    last_block_profile,
+    log_scaled,
+    save_figure,
+)
+from sinkscope.analysis.plots.run import (
+    MAP_LABELS,
+    _query_block,
+    head_statistics,
+    plot_figure4,
+    plot_frame_maps,
+    plot_heads_grid,
+    plot_heads_heatmap,
+    plot_layer_comparison,
+    plot_statistics,
+)
+
+from .figurefixtures import (
+    SMALL,
+    SVG,
+    figure_texts,
+    make_frame_dataset,
+    mesh_styles,
+    numpy_last_block,
+    overlapping_legends,
+    run_outputs,
+    svg_has_raster,
+    svg_texts,
+    write_store,
+)
+
+
+def test_sink_score_uses_frames_between_first_and_last_visible():
+    # A local window with sink frames: the last block sees frames 0-2 and the latest ones only.
+    ds = make_frame_dataset(local_attn_size=9, sink_size=3, seed=5)
+    expected = numpy_last_block(ds, "logit_mean", 0)
+    visible = np.flatnonzero(np.isfinite(expected[0]))
+    assert visible[0] == 0 and visible[-1] == 20 and np.isnan(expected[0, 5])
+    middle = np.nanmean(expected[:, 1:20], axis=1)
+    parts = head_statistics(ds, "logits", 0)
+    np.testing.assert_allclose(parts["first"], expected[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(parts["middle"], middle, rtol=1e-6)
+    np.testing.assert_allclose(parts["last"], expected[:, 20], rtol=1e-6)
+    np.testing.assert_allclose(parts["sink_score"], expected[:, 0] - middle, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("measure", "variable"), [("logits", "logit_mean"), ("probabilities", "prob_mass")]
+)
+def test_figure4_plots_the_last_block_profile_and_its_max(measure, variable):
+    datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
+    heads = [(0, 0), (1, 3)]
+    fig = plot_figure4(datasets, heads, measure=measure, step=2)
+    assert [ax.get_title() for ax in fig.axes] == ["L0H0", "L1H3"]
+    for ax, (layer, head) in zip(fig.axes, heads, strict=True):
+        expected = numpy_last_block(datasets[layer], variable, 2)[head]
+        heights = [patch.get_height() for patch in ax.containers[0]]
+        np.testing.assert_allclose(heights, expected, rtol=1e-6)
+        np.testing.assert_allclose(ax.lines[0].get_ydata(), expected, rtol=1e-6)
+        (annotation,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        peak = int(np.argmax(expected))
+        assert annotation.xy == pytest.approx((peak, expected.max()))
+        assert f"{expected.max():.3g}" in annotation.get_text()
+        assert f"frame {peak}" in annotation.get_text()
+        assert ax.get_xlabel() == "Key frame (latent)"
+        assert ax.get_ylabel() == PROFILE_LABELS[measure]
+    assert "demo · cat · t=833.33" in fig.texts[0].get_text()
+
+
+def test_figure4_svg_text_names_heads_zero_based(tmp_path):
+    datasets = [make_frame_dataset(layer=layer, num_heads=10) for layer in (0, 4)]
+    fig = plot_figure4(datasets, [(0, 0), (4, 9)])
+    path = save_figure(fig, tmp_path / "figure4.svg")
+    texts = svg_texts(path)
+    assert "L0H0" in texts and "L4H9" in texts
+    assert "Key frame (latent)" in texts and PROFILE_LABELS["logits"] in texts
+    assert any("demo" in t and "cat" in t and "t=1000" in t for t in texts)
+    assert "Arial" in path.read_text()
+    assert not svg_has_raster(path)
+
+
+def data_range(ax, artist) -> tuple[float, float]:
+    """The x range an artist covers, in data units."""
+    box = artist.get_window_extent().transformed(ax.transData.inverted())
+    return box.x0, box.x1
+
+
+def block_bands(ax) -> list:
+    return [patch for patch in ax.patches if patch.get_label() == "_query block"]
+
+
+@pytest.mark.parametrize(
+    ("block_sizes", "frame_axis", "expected"),
+    [
+        ([3] * 7, "latent", (17.5, 20.5)),  # latents 18-20
+        ([3] * 7, "video", (68.5, 80.5)),  # latents 18-20 = video frames 69-80
+        ([1, 3, 3], "latent", (3.5, 6.5)),  # an independent first frame: the last block is 4-6
+    ],
+)
+def test_figure4_shades_the_query_block(block_sizes, frame_axis, expected):
+    ds = make_frame_dataset(num_heads=2, block_sizes=block_sizes)
+    fig = plot_figure4([ds], [(0, 0), (0, 1)], frame_axis=frame_axis)
+    fig.draw_without_rendering()
+    for ax in fig.axes:
+        (band,) = block_bands(ax)
+        assert data_range(ax, band) == pytest.approx(expected, abs=1e-6)
+        assert band.get_zorder() < min(line.get_zorder() for line in ax.lines)  # behind the data
+    (legend,) = fig.legends
+    last = expected_frames = _query_block(ds)
+    assert expected_frames == list(range(last[0], last[-1] + 1))
+    assert f"latent {last[0]}–{last[-1]}" in legend.get_texts()[0].get_text()
+    # The title still names the query set.
+    assert f"last block: query frames {last[0]}–{last[-1]} (latent)" in fig.get_suptitle()
+
+
+def annotations(ax) -> dict[str, Annotation]:
+    return {t.get_text().split()[0]: t for t in ax.texts if isinstance(t, Annotation)}
+
+
+@pytest.mark.parametrize("measure", ["logits", "probabilities"])
+def test_figure4_annotates_the_minimum_on_request(measure):
+    ds = make_frame_dataset(seed=2, **SMALL)
+    variable = MEASURE_VARIABLES[measure]
+    expected = numpy_last_block(ds, variable, 0)[1]
+
+    (ax,) = plot_figure4([ds], [(0, 1)], measure=measure).axes
+    assert set(annotations(ax)) == {"max"}  # the default: as before
+
+    fig = plot_figure4([ds], [(0, 1)], measure=measure, annotate=["max", "min"])
+    (ax,) = fig.axes
+    marks = annotations(ax)
+    assert set(marks) == {"max", "min"}
+    low = int(np.argmin(expected))
+    assert marks["min"].xy == pytest.approx((low, expected.min()))
+    assert f"{expected.min():.3g}" in marks["min"].get_text()
+    assert f"frame {low}" in marks["min"].get_text()
+    # The label sits below the bars, in room made under them: it covers no bar.
+    fig.draw_without_rendering()
+    label = Text.get_window_extent(marks["min"])  # the text alone, not its leader line
+    bars = [bar.get_window_extent() for bar in ax.containers[0] if np.isfinite(bar.get_height())]
+    assert not any(label.overlaps(bar) for bar in bars)
+    assert ax.get_window_extent().contains(label.x0, label.y0)
+
+    with pytest.raises(ValueError, match="annotate"):
+        plot_figure4([ds], [(0, 1)], annotate=["median"])
+
+
+def test_video_frame_axis_spreads_21_latents_over_81_frames():
+    ds = make_frame_dataset()
+    fig = plot_figure4([ds], [(0, 1)], frame_axis="video")
+    (ax,) = fig.axes
+    centers = [patch.get_x() + patch.get_width() / 2 for patch in ax.containers[0]]
+    # Latents 1..20 sit at the centres of their 4 video frames; latent 0 (video frame 0 alone)
+    # is drawn as wide as they are, in the cell -3.5..0.5 that ends where latent 1 starts.
+    np.testing.assert_allclose(centers[1:], frames.video_frame_centers(21)[1:])
+    assert centers[0] == -1.5 and centers[1] == 2.5 and 78 < centers[-1] <= 80
+    assert ax.get_xlim() == pytest.approx((-3.5, 80.5))
+    assert ax.get_xlabel() == "Key frame (video)"
+    edges = frame_edges(21, "video")
+    assert edges[0] == -3.5 and edges[1] == 0.5 and edges[-1] == 80.5
+    assert np.all(np.diff(edges) == 4)
+
+    maps = plot_frame_maps(ds, frame_axis="video")
+    mesh = next(c for c in maps.axes[0].collections if isinstance(c, QuadMesh))
+    corners = mesh.get_coordinates()
+    assert corners[..., 0].min() == -3.5 and corners[..., 0].max() == 80.5
+    assert "Query frame (video)" in figure_texts(maps)
+
+
+def test_latent_frame_0_is_drawn_as_wide_as_a_latent_on_the_video_axis():
+    ds = make_frame_dataset(**SMALL)
+    edges = frame_edges(9, "video")
+    assert np.diff(edges)[0] == 4 and edges[1] == 0.5  # ends where latent 1 (frames 1-4) starts
+    (ax,) = plot_figure4([ds], [(0, 1)], frame_axis="video").axes
+    widths = [bar.get_width() for bar in ax.containers[0]]
+    assert widths[0] >= 3 and widths[0] == pytest.approx(widths[1])
+    maps = plot_frame_maps(ds, frame_axis="video")
+    mesh = next(c for c in maps.axes[0].collections if isinstance(c, QuadMesh))
+    corners = mesh.get_coordinates()  # (rows + 1, columns + 1, 2)
+    assert corners[0, 1, 0] - corners[0, 0, 0] == 4  # key frame 0
+    assert corners[1, 0, 1] - corners[0, 0, 1] == 4  # query frame 0
+    # Latent 0 as one video frame would be a quarter of that: the latent axis is unchanged.
+    assert np.all(np.diff(frame_edges(9, "latent")) == 1)
+
+
+def test_frame_maps_grey_unseen_symmetric_logits_log_probabilities():
+    ds = make_frame_dataset()
+    grey = mcolors.to_rgba(UNSEEN_COLOR)
+    unseen = np.isnan(ds["logit_mean"].values[0])  # (head, query, key)
+    assert unseen.any()
+
+    fig = plot_frame_maps(ds, measure="logits")
+    meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
+    assert len(meshes) == 4
+    limit = np.nanmax(np.abs(ds["logit_mean"].values[0]))
+    for head, mesh in enumerate(meshes):
+        assert mesh.norm.vmin == pytest.approx(-limit) and mesh.norm.vmax == pytest.approx(limit)
+        assert mesh.cmap.get_bad() == pytest.approx(grey)
+        shown = np.ma.getmaskarray(mesh.get_array()).reshape(21, 21)
+        np.testing.assert_array_equal(shown, unseen[head])
+    assert [ax.get_title() for ax in fig.axes[:4]] == ["L0H0", "L0H1", "L0H2", "L0H3"]
+
+    fig = plot_frame_maps(ds, measure="probabilities")
+    meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
+    for head, mesh in enumerate(meshes):
+        assert isinstance(mesh.norm, mcolors.LogNorm)
+        assert mesh.cmap.get_bad() == pytest.approx(grey)
+        np.testing.assert_array_equal(
+            np.ma.getmaskarray(mesh.get_array()).reshape(21, 21), unseen[head]
+        )
+
+
+def test_frame_maps_pick_the_scale_by_the_data():
+    ds = make_frame_dataset(**SMALL)
+    values = ds["prob_mass"].values[0]
+    positive = values[np.isfinite(values) & (values > 0)]
+    assert positive.max() / positive.min() > 10  # the synthetic maps span more than a decade
+    mesh = next(c for c in plot_frame_maps(ds, measure="probabilities").axes[0].collections)
+    assert isinstance(mesh.norm, mcolors.LogNorm)
+
+    flat = ds.copy()
+    flat["prob_mass"] = ds["prob_mass"] * 0 + np.float32(0.1) + 0.05 * np.isfinite(ds["prob_mass"])
+    flat["prob_mass"] = flat["prob_mass"].where(np.isfinite(ds["prob_mass"]))
+    flat["prob_mass"][0, 0, -1, -1] = np.float32(0.2)
+    mesh = next(c for c in plot_frame_maps(flat, measure="probabilities").axes[0].collections)
+    assert type(mesh.norm) is mcolors.Normalize and mesh.norm.vmin == 0
+
+
+@pytest.mark.parametrize("builder", [plot_heads_heatmap, plot_frame_maps], ids=lambda b: b.__name__)
+def test_map_cells_overlap_so_no_seams_show(tmp_path, builder):
+    """Vector viewers antialias each cell's edge on its own, which leaves hairline seams between
+    cells drawn without a stroke: every cell, colorbar segments included, is stroked in its own
+    colour, and the file stays vector."""
+    ds = make_frame_dataset(**SMALL)
+    fig = builder(ds, measure="probabilities")
+    path = save_figure(fig, tmp_path / "map.svg")
+    root = ET.parse(path).getroot()
+    assert not list(root.iter(f"{SVG}image")), "the map must stay vector"
+    groups = [g for g in root.iter(f"{SVG}g") if g.get("id", "").startswith("QuadMesh")]
+    assert len(groups) >= 2  # the map(s) and the colorbar
+    styles = mesh_styles(path)
+    colorbar = [g for g in groups][-1]
+    assert len(list(colorbar.iter(f"{SVG}path"))) > 50  # the colorbar's segments are checked too
+    for style in styles:
+        assert style.get("stroke") == style["fill"], style
+        assert float(style.get("stroke-width", 0)) > 0, style
+
+
+def test_layer_comparison_and_statistics_values():
+    datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
+    fig = plot_layer_comparison(datasets)
+    (ax,) = fig.axes
+    for line, ds in zip(ax.lines, datasets, strict=True):
+        np.testing.assert_allclose(
+            line.get_ydata(), numpy_last_block(ds, "logit_mean", 0).mean(axis=0), rtol=1e-6
+        )
+    # The legend sits under the panel, outside the data.
+    assert ax.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Layer 0", "Layer 1"]
+
+    fig = plot_statistics(datasets)
+    (ax,) = fig.axes
+    first_bars, middle_bars, _ = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for i, ds in enumerate(datasets):
+        profile = numpy_last_block(ds, "logit_mean", 0)
+        assert first_bars[i].get_height() == pytest.approx(profile[:, 0].mean(), rel=1e-6)
+        middle = profile[:, 1:-1].mean(axis=1).mean()
+        assert middle_bars[i].get_height() == pytest.approx(middle, rel=1e-6)
+
+
+def test_heads_grid_titles_carry_sink_scores():
+    ds = make_frame_dataset(layer=4, num_heads=10)
+    fig = plot_heads_grid(ds)
+    profile = numpy_last_block(ds, "logit_mean", 0)
+    scores = profile[:, 0] - profile[:, 1:-1].mean(axis=1)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"L4H{h} sink {scores[h]:.3g}" for h in range(10)]
+
+
+def test_render_run_figures_demo(tmp_path):
+    stores = [write_store(tmp_path / "frames", make_frame_dataset(layer=i, seed=i)) for i in (0, 1)]
+    out = tmp_path / "figures"
+    heads = [(0, 0), (1, 3)]
+    started = time.perf_counter()
+    written = render_figures(stores, run_outputs(out, [0, 1], heads), heads=heads)
+    elapsed = time.perf_counter() - started
+    expected = ["figure4"]
+    for layer in (0, 1):
+        expected += [f"layer{layer}_heads_grid", f"layer{layer}_heads_heatmap"]
+        expected += [f"layer{layer}_frame_maps"]
+    expected += ["layer_comparison", "statistics"]
+    assert sorted(written) == sorted(out / f"{name}.svg" for name in expected)
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}.svg" for name in expected)
+    for path in written:
+        texts = svg_texts(path)  # parses, or raises
+        assert texts, f"{path.name} has no <text>: svg.fonttype must be 'none'"
+        assert not svg_has_raster(path), f"{path.name} embeds a raster image"
+    expected_texts = {
+        "figure4": ["L0H0", "L1H3", "Key frame (latent)", PROFILE_LABELS["logits"]],
+        "layer1_heads_grid": ["Key frame (latent)", PROFILE_LABELS["logits"]],
+        "layer0_heads_heatmap": ["L0H0", "L0H3", "Head", "Key frame (latent)"],
+        "layer0_frame_maps": ["L0H2", "Query frame (latent)", MAP_LABELS["logits"]],
+        "layer_comparison": ["Layer 0", "Layer 1", "Key frame (latent)"],
+        "statistics": ["L0", "L1", "Layer", "First frame", "Middle frames", "Last frame"],
+    }
+    for name, wanted in expected_texts.items():
+        texts = svg_texts(out / f"{name}.svg")
+        for text in wanted:
+            assert text in texts, f"{text!r} missing from {name}.svg"
+    grid_titles = [t for t in svg_texts(out / "layer1_heads_grid.svg") if " sink " in t]
+    assert [t.split(" sink ")[0] for t in grid_titles] == ["L1H0", "L1H1", "L1H2", "L1H3"]
+    # Titles and file names count layers alike: layer1_* files say "Layer 1".
+    assert any(t.startswith("Layer 1,") for t in svg_texts(out / "layer1_heads_heatmap.svg"))
+    assert elapsed < 60, f"rendering one demo run took {elapsed:.1f} s"
+
+
+def test_figures_plot_the_statistics_csv_values(tmp_path):
+    """Figures and Contract 3 read one rule: a key frame counts only if every query frame of the
+    set sees it. Here the last block's query frames see different keys (a window evicting
+    mid-block), where averaging with skipna (the figures' old rule) would disagree."""
+    from sinkscope.analysis.stats import per_head, read_stats, write_stats
+
+    ds = make_frame_dataset(layer=2, seed=4)
+    last = stats.last_block_rows(ds)
+    for variable in ("logit_mean", "prob_mass"):
+        ds[variable][:, :, last[0], [1, 3]] = np.nan  # frames 1 and 3 evicted before query 18
+    store = write_store(tmp_path / "frames", ds)
+    write_stats(store, tmp_path / "layer2.csv")
+    csv = per_head(read_stats(tmp_path / "layer2.csv"))  # the heads, not the head = mean rows
+    rows = csv[(csv["measure"] == "logit_mean") & (csv["step"] == 0)].set_index("head")
+    skipna = numpy_last_block(ds, "logit_mean", 0)
+    # The old rule keeps frames 1 and 3, so its first-middle-last differ from the CSV's.
+    assert np.isfinite(skipna[:, [1, 3]]).all()
+    old_middle = skipna[:, 1:-1].mean(axis=1)
+    assert not np.allclose(old_middle, rows["middle"].to_numpy(), rtol=1e-3)
+
+    fig = plot_figure4([ds], [(2, h) for h in range(4)])
+    for head, ax in enumerate(fig.axes):
+        heights = np.array([patch.get_height() for patch in ax.containers[0]])
+        assert np.isnan(heights[[1, 3]]).all()
+        visible = np.flatnonzero(np.isfinite(heights))
+        assert heights[visible[0]] == pytest.approx(rows.loc[head, "first"], rel=1e-6)
+        assert heights[visible[-1]] == pytest.approx(rows.loc[head, "last"], rel=1e-6)
+        assert heights[visible[1:-1]].mean() == pytest.approx(rows.loc[head, "middle"], rel=1e-6)
+        (annotation,) = [t for t in ax.texts if isinstance(t, Annotation)]
+        assert annotation.xy[0] == rows.loc[head, "argmax_frame"]
+
+    grid = plot_heads_grid(ds)
+    titles = [ax.get_title() for ax in grid.axes]
+    assert titles == [f"L2H{h} sink {rows.loc[h, 'sink_score']:.3g}" for h in range(4)]
+
+    (ax,) = plot_statistics([ds]).axes
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for part, container in zip(("first", "middle", "last"), bars, strict=True):
+        assert container[0].get_height() == pytest.approx(rows[part].mean(), rel=1e-6)
+
+
+def drawn_limits(monkeypatch) -> dict[str, tuple[float, float]]:
+    """Record the colour limits of the first map of each figure render_figures saves."""
+    limits: dict[str, tuple[float, float]] = {}
+    save = render.save_figure
+
+    def record(fig, path, fmt="svg"):
+        mesh = next(c for ax in fig.axes for c in ax.collections if isinstance(c, QuadMesh))
+        limits[Path(path).stem] = (mesh.norm.vmin, mesh.norm.vmax)
+        return save(fig, path, fmt)
+
+    monkeypatch.setattr(render, "save_figure", record)  # what render_figures calls
+    return limits
+
+
+@pytest.mark.parametrize("measure", ["logits", "probabilities"])
+def test_layers_share_one_colour_scale(tmp_path, monkeypatch, measure):
+    datasets = [make_frame_dataset(layer=layer, seed=layer, **SMALL) for layer in (0, 3)]
+    stores = [write_store(tmp_path / "frames", ds) for ds in datasets]
+    kinds = ("heads_heatmap", "frame_maps")
+    outputs = [tmp_path / f"layer{layer}_{kind}.svg" for layer in (0, 3) for kind in kinds]
+    limits = drawn_limits(monkeypatch)
+    render_figures(stores, outputs, heads=[(0, 0)], measure=measure)
+    variable = MEASURE_VARIABLES[measure]
+    pooled = {
+        "heads_heatmap": np.concatenate(
+            [last_block_profile(ds, measure, 0).values.ravel() for ds in datasets]
+        ),
+        "frame_maps": np.concatenate([ds[variable].values[0].ravel() for ds in datasets]),
+    }
+    for kind in kinds:
+        assert limits[f"layer0_{kind}"] == limits[f"layer3_{kind}"]
+        expected = color_limits(pooled[kind], measure)
+        if measure == "probabilities" and not log_scaled(expected):
+            expected = (0.0, expected[1])
+        assert limits[f"layer0_{kind}"] == pytest.approx(expected)
+
+    # Each file its own scale on request: layer 3's sink heads are stronger than layer 0's.
+    limits.clear()
+    maps = [path for path in outputs if path.stem.endswith("frame_maps")]
+    render_figures(stores, maps, heads=[(0, 0)], measure=measure, shared_scale=False)
+    assert limits["layer0_frame_maps"] != limits["layer3_frame_maps"]
+
+
+def test_legends_cover_no_panel():
+    run = [make_frame_dataset(layer=layer, seed=layer, **SMALL) for layer in (0, 1)]
+    figs = {
+        "figure4": plot_figure4(run, [(0, 0), (1, 1)]),
+        "heads_grid": plot_heads_grid(run[0]),
+        "layer_comparison": plot_layer_comparison(run),
+        "statistics": plot_statistics(run),
+    }
+    for name, fig in figs.items():
+        assert fig.legends, f"{name} has no legend"
+        assert not overlapping_legends(fig), f"a legend of {name} covers a panel"
