@@ -270,8 +270,9 @@ MODES = {"rollout": run_rollout, "survey": run_survey}
 
 def check_stores(args, stores: Path, passes: list[int], t: int) -> dict:
     """Every store: key_mass sums to 1 over the key tokens per (step, head, query frame), NaN
-    exactly on invisible keys, entropies in [0, log(visible keys)], logical bytes as
-    `attention_store_bytes`. Returns the largest deviations and the per-layer file sizes."""
+    exactly on invisible keys (key_logit_mean too), entropies in [0, log(visible keys)], logical
+    bytes as `attention_store_bytes`. Returns the largest deviations and the per-layer file
+    sizes."""
     import zarr
 
     from sinkscope.frames import attention_store_bytes, visible_frames
@@ -294,13 +295,16 @@ def check_stores(args, stores: Path, passes: list[int], t: int) -> dict:
         allocated.append(on_disk)
         group = zarr.open_group(str(path), mode="r")
         key_mass = group["key_mass"][...]
+        key_logit_mean = group["key_logit_mean"][...]
         entropy = group["entropy"][...]
         pooled = group["logit_mean_pooled"][...]
         shape = (len(passes), args.heads, frames, frames * t)
-        assert key_mass.shape == shape, (path, key_mass.shape, shape)
-        assert key_mass.nbytes + entropy.nbytes + pooled.nbytes == logical, path
+        assert key_mass.shape == key_logit_mean.shape == shape, (path, key_mass.shape, shape)
+        stored = key_mass.nbytes + key_logit_mean.nbytes + entropy.nbytes + pooled.nbytes
+        assert stored == logical, path
         finite = np.isfinite(key_mass)
         assert (finite == visible_tokens[None, None]).all(), f"{path}: NaN off the invisible keys"
+        assert (np.isfinite(key_logit_mean) == finite).all(), f"{path}: key_logit_mean NaN"
         sums = np.nansum(key_mass, axis=-1, dtype=np.float64)
         worst_sum = max(worst_sum, float(np.abs(sums - 1).max()))
         assert worst_sum < KEY_MASS_SUM_TOLERANCE, f"{path}: key_mass sums off 1 by {worst_sum}"

@@ -1,17 +1,32 @@
-# KV-cache policies in the rollout (Contract 6): the full-cache rollout of each closed-loop run,
-# then one rollout per policy from the same noise, compared frame by frame; a local job sums
-# them up beside the offline recall and draws the closed-loop figures.
+# KV-cache policies in the rollout (Contract 6): per (checkpoint, prompt) one GPU job rolls out
+# the full cache and then every policy from the same noise (the model loaded once), and compares
+# each with the full cache frame by frame; a local job sums them up beside the offline recall and
+# draws the closed-loop figures.
 
 
-rule closed_loop_reference:
+rule closed_loop:
     input:
         checkpoint=checkpoint_files_input,
         prompt="results/prompts/{prompt}.safetensors",
     output:
-        latents="results/closed_loop/{checkpoint}/{prompt}/full.safetensors",
-        stores=closed_loop_stores("full"),
+        latents=[
+            f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}.safetensors"
+            for policy in ["full", *CLOSED_LOOP_POLICIES]
+        ],
+        deviation=[
+            f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}.csv"
+            for policy in CLOSED_LOOP_POLICIES
+        ],
+        # Attention captured inside the full-cache and frame-level rollouts (the token-level
+        # policies keep tokens, not frames: nothing to capture).
+        stores=[
+            store
+            for policy in ["full", *CLOSED_LOOP_POLICIES]
+            if policy not in CLOSED_LOOP_TOKEN_POLICIES
+            for store in closed_loop_stores(policy)
+        ],
     log:
-        "results/logs/closed_loop/{checkpoint}/{prompt}/full.log",
+        "results/logs/closed_loop/{checkpoint}/{prompt}.log",
     conda:
         "../envs/extract.yaml"
     threads: EXTRACT_THREADS
@@ -20,53 +35,16 @@ rule closed_loop_reference:
         mem_mb=lambda wildcards, input: extract_mem_mb(input.size_mb),
         runtime=lambda wildcards: closed_loop_runtime(config, wildcards.checkpoint),
         disk_mb=lambda wildcards: job_disk_mb(
-            config,
-            wildcards.checkpoint,
-            "closed_loop",
-            layers=len(CLOSED_LOOP_SURVEY),
-            frames=config["closed_loop"]["num_frames"],
+            config, wildcards.checkpoint, "closed_loop"
         ),
     params:
         layers=CLOSED_LOOP_SURVEY,
-        settings=lambda wildcards: closed_loop_settings(
-            config, wildcards.checkpoint, "full"
-        ),
+        settings=lambda wildcards: {
+            policy: closed_loop_settings(config, wildcards.checkpoint, policy)
+            for policy in ["full", *CLOSED_LOOP_POLICIES]
+        },
     script:
         "../scripts/closed_loop.py"
-
-
-use rule closed_loop_reference as closed_loop with:
-    input:
-        checkpoint=checkpoint_files_input,
-        prompt="results/prompts/{prompt}.safetensors",
-        reference="results/closed_loop/{checkpoint}/{prompt}/full.safetensors",
-    output:
-        latents="results/closed_loop/{checkpoint}/{prompt}/{policy}.safetensors",
-        deviation="results/closed_loop/{checkpoint}/{prompt}/{policy}.csv",
-        stores=closed_loop_stores("{policy}"),
-    log:
-        "results/logs/closed_loop/{checkpoint}/{prompt}/{policy}.log",
-    wildcard_constraints:
-        policy=one_of(CLOSED_LOOP_FRAME_POLICIES),
-    params:
-        layers=CLOSED_LOOP_SURVEY,
-        settings=lambda wildcards: closed_loop_settings(
-            config, wildcards.checkpoint, wildcards.policy
-        ),
-
-
-# top_c keeps tokens, not whole frames: nothing to capture in its rollout.
-use rule closed_loop as closed_loop_top_c with:
-    output:
-        latents="results/closed_loop/{checkpoint}/{prompt}/{policy}.safetensors",
-        deviation="results/closed_loop/{checkpoint}/{prompt}/{policy}.csv",
-    wildcard_constraints:
-        policy="top_c",
-    params:
-        layers=[],
-        settings=lambda wildcards: closed_loop_settings(
-            config, wildcards.checkpoint, wildcards.policy
-        ),
 
 
 rule closed_loop_summary:

@@ -12,6 +12,7 @@ from sinkscope.workflow.plan import format_plan, job_disk_mb
 from sinkscope.workflow.entries import (
     ConfigError,
     CLOSED_LOOP_FRAME_POLICIES,
+    CLOSED_LOOP_TOKEN_POLICIES,
     checkpoint_inputs,
     closed_loop_policies,
     closed_loop_runs,

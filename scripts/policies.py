@@ -12,4 +12,6 @@ with job_log(snakemake.log[0]):
         budgets=options["budgets"],
         sinks=options["sinks"],
         recent_frames=options["recent_frames"],
+        capacity=options["capacity"],
+        reuse_cap=options["reuse_cap"],
     )

@@ -159,10 +159,11 @@ def token_store_disk_bytes(
 def attention_store_bytes(
     *, num_passes: int, num_heads: int, num_frames: int, frame_seq_length: int
 ) -> int:
-    """Uncompressed bytes of one layer's attention store (Contract 4): float32 key_mass over every
-    (pass, head, query frame, key token), entropy and pooled mean logits."""
-    key_mass = num_passes * num_heads * num_frames * num_frames * frame_seq_length * 4
-    return key_mass + num_passes * num_heads * (num_frames + num_frames**2) * 4
+    """Uncompressed bytes of one layer's attention store (Contract 4): float32 key_mass and
+    key_logit_mean over every (pass, head, query frame, key token), entropy and pooled mean
+    logits."""
+    per_key_token = 2 * num_passes * num_heads * num_frames * num_frames * frame_seq_length * 4
+    return per_key_token + num_passes * num_heads * (num_frames + num_frames**2) * 4
 
 
 def attention_chunk_frames(sizes: Sequence[int]) -> int:
@@ -181,11 +182,11 @@ def attention_store_disk_bytes(
     frames_per_block: int,
     block_size: int = 4096,
 ) -> int:
-    """An upper bound of the disk space of one layer's attention store, whatever key_mass
-    compresses to: every chunk (one per pass and `frames_per_block` query frames, the store's
-    chunking: `attention_chunk_frames`) stored raw with its overheads and rounded up to a
-    filesystem block, the small arrays, directories and metadata."""
-    chunks = num_passes * -(-num_frames // frames_per_block)
+    """An upper bound of the disk space of one layer's attention store, whatever key_mass and
+    key_logit_mean compress to: every chunk (one per array, pass and `frames_per_block` query
+    frames, the store's chunking: `attention_chunk_frames`) stored raw with its overheads and
+    rounded up to a filesystem block, the small arrays, directories and metadata."""
+    chunks = 2 * num_passes * -(-num_frames // frames_per_block)
     raw = attention_store_bytes(
         num_passes=num_passes,
         num_heads=num_heads,
@@ -193,7 +194,7 @@ def attention_store_disk_bytes(
         frame_seq_length=frame_seq_length,
     )
     data = raw + chunks * (_CHUNK_OVERHEAD_BYTES + block_size)
-    directories = (2 + num_passes + chunks + 12) * block_size
+    directories = (3 + 2 * num_passes + chunks + 12) * block_size
     coordinates = num_frames * frame_seq_length * 4 + num_frames * 4 + 8 * block_size
     return data + directories + coordinates + _METADATA_BYTES
 

@@ -59,6 +59,10 @@ VARIABLE_ATTRS = {
         "long_name": "attention probability of the key token, mean over the query frame's tokens",
         "units": "1",
     },
+    "key_logit_mean": {
+        "long_name": "attention logit of the key token, mean over the query frame's tokens",
+        "units": "logit",
+    },
     "logit_mean": {
         "long_name": "mean logit over the visible token pairs of the query and key frame",
         "units": "logit",

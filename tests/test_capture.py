@@ -35,6 +35,8 @@ STORE_ATTRS = {
     "checkpoint": "tiny",
     "prompt": "p",
     "latent_grid": [6, *GRID_HW],
+    "passes": [0, 1, 2, 3, 4],
+    "passes_per_block": 5,
 }
 
 

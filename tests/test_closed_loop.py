@@ -1,6 +1,7 @@
-"""KV-cache policies in the rollout (Contract 6): Deep Sink's re-rotation against RoPE computed at
+"""KV-cache policies in the rollout (Contract 6): rotating post-RoPE keys against RoPE computed at
 the new positions, top-C caches against a brute-force choice, covering budgets against the
-full-cache rollout bit for bit, and the closed-loop job's latents, deviation table and capture."""
+full-cache rollout bit for bit, and the closed-loop job's latents, deviation table and capture.
+Deep Forcing's policies against its released behaviour: tests/test_released_caches.py."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import csv
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import xarray as xr
 
-from sinkscope.extraction.cache_policies import CachePolicy, DeepSinkKVCache
+from sinkscope.extraction.cache_policies import CachePolicy
 from sinkscope.extraction.closed_loop import closed_loop, load_latents
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.sampling import Geometry, rollout
@@ -60,56 +62,6 @@ def test_rotate_frames_equals_rope_at_the_new_positions(head_dim, shift):
     np.testing.assert_array_equal(moved[..., spatial:], keys.numpy()[..., spatial:])
 
 
-def test_deep_sink_keys_sit_just_before_the_window(tiny_text):
-    """After the rollout, each layer's sink keys are the clean keys of frames 0..S-1 rotated to
-    positions (w - S .. w - 1), w the window's oldest frame; computed here by RoPE directly."""
-    model = make_tiny_model(seed=5)
-    sinks, budget = 2, 6
-    pre_rope = {}  # layer -> normed keys of block 0's cache-update pass (frames 0 and 1)
-    calls = {"n": 0}
-
-    def record(layer):
-        def hook(module, args, output):
-            if calls["n"] == 4:  # block 0: 4 denoising calls, then the cache-update pass
-                pre_rope[layer] = output.detach().clone()
-
-        return hook
-
-    handles = [
-        block.self_attn.norm_k.register_forward_hook(record(i))
-        for i, block in enumerate(model.blocks)
-    ]
-
-    def count(block, pass_index, kind, timestep):
-        calls["n"] = block * 5 + pass_index
-
-    policy = CachePolicy("deep_sink", budget=budget, sink_frames=sinks)
-    _, caches = _policy_rollout(model, tiny_text, policy, on_pass=count)
-    for handle in handles:
-        handle.remove()
-    heads, head_dim = model.config.num_heads, model.config.head_dim
-    for layer, cache in enumerate(caches):
-        assert isinstance(cache, DeepSinkKVCache)
-        oldest = int(cache.slot_token[sinks * T]) // T
-        assert oldest == LONG.num_frames - (budget - sinks)
-        x = pre_rope[layer].view(1, sinks * T, heads, head_dim).double().numpy()
-        expected = reference_rope(x, (sinks, 2, 3), oldest - sinks)
-        np.testing.assert_allclose(
-            cache.k[:, : sinks * T].double().numpy(), expected, rtol=1e-5, atol=1e-6
-        )
-        assert cache.slot_token[: sinks * T].tolist() == list(range(sinks * T))
-
-
-def test_deep_sink_differs_from_sink_window_only_once_the_window_moves(tiny_text):
-    model = make_tiny_model(seed=5)
-    plain, _ = _policy_rollout(model, tiny_text, CachePolicy("sink_window", 6, sink_frames=2))
-    deep, _ = _policy_rollout(model, tiny_text, CachePolicy("deep_sink", 6, sink_frames=2))
-    # Frames 0..5 fill the 6-frame cache; block 3 (frames 6, 7) is the first to evict (frames 2,
-    # 3) and the first where the sinks move (by 2 frames, to sit before frame 4).
-    assert torch.equal(plain[:, :, :6], deep[:, :, :6])
-    assert not torch.allclose(plain[:, :, 6:8], deep[:, :, 6:8])
-
-
 @pytest.mark.parametrize(
     "policy",
     [
@@ -118,6 +70,8 @@ def test_deep_sink_differs_from_sink_window_only_once_the_window_moves(tiny_text
         CachePolicy("deep_sink", 14, sink_frames=5),
         CachePolicy("top_c", 12, recent_frames=2),
         CachePolicy("top_c", 20, recent_frames=4),
+        CachePolicy("participative", 8, 2, recent_frames=1, capacity=12),
+        CachePolicy("deep_forcing", 8, 2, recent_frames=1, capacity=14),
     ],
     ids=lambda p: p.label,
 )
@@ -163,21 +117,17 @@ def test_top_c_cache_holds_exactly_the_chosen_tokens(tiny_text):
     )
     cache = caches[1]
     seen = []  # (start token, key tokens [M, H]) of every update
-    scored = []  # (queries, keys, key tokens) of every scoring call
-    update, observe = cache.update, cache.observe
+    scored = []  # (queries, keys, key tokens) of every scoring call (the cache-update passes)
+    update = cache.update
 
-    def spy_update(k, v, start):
-        out = update(k, v, start)
+    def spy_update(k, v, start, *, q=None, k_raw=None):
+        out = update(k, v, start, q=q, k_raw=k_raw)
         seen.append((start, out[2].clone()))
-        spy_update.keys = out[0].clone()
+        if cache.scoring:
+            scored.append((q[0].double().numpy(), out[0][0].double().numpy(), out[2].clone()))
         return out
 
-    def spy_observe(q):
-        if cache.scoring:
-            scored.append((q[0].double().numpy(), spy_update.keys[0].double().numpy(), seen[-1][1]))
-        observe(q)
-
-    cache.update, cache.observe = spy_update, spy_observe
+    cache.update = spy_update
     rollout(model, tiny_text, geometry=LONG, seed=3, progress=False, caches=caches)
     # The first update of each block (later passes rewrite the same tokens).
     new_blocks = [seen[i] for i in range(len(seen)) if i == 0 or seen[i][0] != seen[i - 1][0]]
@@ -313,18 +263,23 @@ def test_attention_captured_in_a_closed_loop_is_the_survey_of_the_same_rollout(t
 
 
 def test_the_demo_runs_the_closed_loop(demo_run):
-    """The embedded default: 42 frames of demo_a / eagle under each policy at budget 9, attention
-    captured in the full-cache and frame-level rollouts, a summary beside the offline recall."""
+    """The embedded default: 42 frames of demo_a / eagle under each policy at budget 9 (and
+    Participative Compression's cache of 21), attention captured in the full-cache and
+    frame-level rollouts, a summary beside the offline recall."""
     folder = demo_run / "results/closed_loop/demo_a/eagle"
     reference, meta = load_latents(folder / "full.safetensors")
     assert reference.shape[1] == 42 and meta["policy"] == {"name": "full"}
-    for policy in ("window", "sink_window", "deep_sink", "top_c"):
+    policies = ["window", "sink_window", "deep_sink", "participative", "deep_forcing", "top_c"]
+    for policy in policies:
         with open(folder / f"{policy}.csv") as f:
             rows = list(csv.DictReader(f))
         assert len(rows) == 42
-        # Blocks 0-2 (frames 0-8) fit the 9-frame cache: the full cache's frames exactly.
-        assert all(float(r["rel_l2"]) == 0.0 for r in rows[:9]), policy
-        assert all(float(r["rel_l2"]) > 0.0 for r in rows[9:]), policy
+        # Blocks that fit the cache (9 frames; Participative Compression's 21) are the full
+        # cache's frames exactly.
+        fits = 21 if policy in ("participative", "deep_forcing") else 9
+        assert all(float(r["rel_l2"]) == 0.0 for r in rows[:fits]), policy
+        assert all(float(r["rel_l2"]) > 0.0 for r in rows[fits:]), policy
+        assert {int(r["capacity"]) for r in rows} == {fits}
     store = xr.open_zarr(folder / "window/layer0.zarr")
     seen = ~np.isnan(store["key_mass"].isel(step=0, head=0).values)  # [query frame, token]
     t = store.attrs["frame_seq_length"]
@@ -332,5 +287,13 @@ def test_the_demo_runs_the_closed_loop(demo_run):
     full = xr.open_zarr(folder / "full/layer0.zarr")
     assert (~np.isnan(full["key_mass"].isel(step=0, head=0).values[-1])).sum() == 42 * t
     summary = list(csv.DictReader(open(demo_run / "results/closed_loop/summary.csv")))
-    assert [r["policy"] for r in summary] == ["window", "sink_window", "deep_sink", "top_c"]
-    assert all(0 < float(r["recall"]) < 1 and int(r["evicting_from"]) == 9 for r in summary)
+    assert [r["policy"] for r in summary] == policies
+    for row in summary:
+        if row["policy"] in ("participative", "deep_forcing"):
+            # The 21-frame survey never overflows a cache of 21: no offline rows where it drops.
+            assert int(row["evicting_from"]) == 21 and row["recall"] == ""
+        else:
+            assert 0 < float(row["recall"]) < 1 and int(row["evicting_from"]) == 9
+    recall = pd.read_csv(demo_run / "results/policies/demo_a/eagle.csv")
+    participative = recall[recall["policy"] == "participative"]
+    assert len(participative) and np.allclose(participative["recall"], 1.0, atol=1e-5)

@@ -27,36 +27,40 @@ FRAMES = 12  # latent frames of a closed-loop rollout
 BLOCK = 2  # latent frames per block
 TRAIN_FRAMES = 6  # the training length: frames 6..11 lie beyond it
 RUNS = [("demo", "cat"), ("demo", "sea")]
-# (policy, budget, sink_frames, recent_frames) of the closed loop
+# (policy, budget, sink_frames, recent_frames, capacity) of the closed loop
 LOOP_POLICIES = [
-    ("window", 4, 0, 0),
-    ("sink_window", 4, 1, 0),
-    ("sink_window", 6, 0, 0),  # S = 0: the offline window's recall
-    ("deep_sink", 4, 1, 0),  # the offline sink_window's recall
-    ("top_c", 4, 0, 1),  # no offline top_c rows in the run `sea`
-    ("window", 5, 0, 0),  # a budget the recall table lacks
-    ("window", 12, 0, 0),  # covers the whole rollout: never evicts
+    ("window", 4, 0, 0, 4),
+    ("sink_window", 4, 1, 0, 4),
+    ("sink_window", 6, 0, 0, 6),  # S = 0: the offline window's recall
+    ("deep_sink", 4, 1, 0, 4),  # the offline sink_window's recall
+    ("participative", 4, 1, 1, 6),  # drops keys from the block that overflows 6 frames on
+    ("deep_forcing", 4, 1, 1, 6),  # the offline participative's recall
+    ("top_c", 4, 0, 1, 4),  # no offline top_c rows in the run `sea`
+    ("window", 5, 0, 0, 5),  # a budget the recall table lacks
+    ("window", 12, 0, 0, 12),  # covers the whole rollout: never evicts
 ]
 # the offline recall tables: 4 query blocks of 2 frames (the last sees 8), these budgets
 OFFLINE_BLOCKS = 4
 OFFLINE_BUDGETS = [2, 4, 6]
 OFFLINE_SINKS = [0, 1]
 RECENT = 1
+CAPACITY = 6
 
 
-def deviation_table(checkpoint, prompt, policy, budget, sink, recent, seed) -> pd.DataFrame:
+def deviation_table(
+    checkpoint, prompt, policy, budget, sink, recent, capacity, seed
+) -> pd.DataFrame:
     """A deviation table as the closed-loop job writes it: zeros while the cache holds every
     frame, then random deviations spanning about two decades."""
     rng = np.random.default_rng(seed)
     rows = []
     for frame in range(FRAMES):
         block = frame // BLOCK
-        full = (block + 1) * BLOCK <= budget  # every frame its block sees is kept
+        full = (block + 1) * BLOCK <= capacity  # every frame its block sees is kept
         rel_l2 = 0.0 if full else float(10 ** rng.uniform(-3, -1))
         cosine = 1.0 if full else float(rng.uniform(0.9, 1.0))
-        rows.append(
-            (checkpoint, prompt, policy, budget, sink, recent, frame, block, rel_l2, cosine)
-        )
+        key = (checkpoint, prompt, policy, budget, sink, recent, capacity)
+        rows.append((*key, frame, block, rel_l2, cosine))
     return pd.DataFrame(rows, columns=closed_loop.DEVIATION_COLUMNS)
 
 
@@ -71,25 +75,31 @@ def recall_table(checkpoint, prompt, *, top_c: bool, seed: int) -> pd.DataFrame:
                 for block in range(OFFLINE_BLOCKS):
                     visible = BLOCK * (block + 1)
                     common = (checkpoint, prompt, layer, head, step, timestep, kind, block, visible)
-                    choices = [("window", b, 0, pd.NA) for b in OFFLINE_BUDGETS]
+                    choices = [("window", b, 0, pd.NA, pd.NA) for b in OFFLINE_BUDGETS]
                     choices += [
-                        ("sink_window", b, s, pd.NA)
+                        ("sink_window", b, s, pd.NA, pd.NA)
                         for b in OFFLINE_BUDGETS
                         for s in OFFLINE_SINKS
                         if s < b
                     ]
+                    choices += [
+                        ("participative", b, s, RECENT, CAPACITY)
+                        for b in OFFLINE_BUDGETS
+                        for s in OFFLINE_SINKS
+                        if s + RECENT + BLOCK <= b
+                    ]
                     if top_c and block > 0:
                         choices += [
-                            (policy, b, pd.NA, RECENT)
+                            (policy, b, pd.NA, RECENT, pd.NA)
                             for policy in ("top_c", "top_c_oracle")
                             for b in OFFLINE_BUDGETS
                             if b >= BLOCK + RECENT
                         ]
-                    for policy, budget, sink, recent in choices:
+                    for policy, budget, sink, recent, capacity in choices:
                         recall = 1.0 if budget >= visible else float(rng.uniform())
-                        rows.append((*common, policy, budget, sink, recent, recall))
+                        rows.append((*common, policy, budget, sink, recent, capacity, recall))
     table = pd.DataFrame(rows, columns=policies.COLUMNS)
-    for column in ("sink_frames", "recent_frames"):
+    for column in policies.OPTIONAL_COLUMNS:
         table[column] = table[column].astype("Int64")
     return table
 
@@ -98,8 +108,9 @@ def write_inputs(folder: Path) -> tuple[list[Path], list[Path]]:
     """Deviation and recall tables of RUNS, written where the workflow puts them."""
     deviation, recall = [], []
     for r, (checkpoint, prompt) in enumerate(RUNS):
-        for p, (policy, budget, sink, recent) in enumerate(LOOP_POLICIES):
-            table = deviation_table(checkpoint, prompt, policy, budget, sink, recent, 10 * r + p)
+        for p, key in enumerate(LOOP_POLICIES):
+            table = deviation_table(checkpoint, prompt, *key, 10 * r + p)
+            policy, budget, sink = key[:3]
             path = folder / "closed_loop" / checkpoint / prompt / f"{policy}_{budget}_{sink}.csv"
             path.parent.mkdir(parents=True, exist_ok=True)
             table.to_csv(path, index=False)
@@ -117,7 +128,9 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent) -> list[float]:
+def offline_recalls(
+    recall, checkpoint, prompt, offline, budget, sink, recent, capacity
+) -> list[float]:
     """The recalls of the offline rows of one policy where it drops keys, by a plain loop."""
     recalls = []
     for row in recall.itertuples(index=False):
@@ -128,11 +141,13 @@ def offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent) -
             budget,
         ):
             continue
-        if row.visible_frames <= budget:
+        if row.visible_frames <= capacity:
             continue
-        if offline == "sink_window" and row.sink_frames != sink:
+        if offline in ("sink_window", "participative") and row.sink_frames != sink:
             continue
-        if offline == "top_c" and row.recent_frames != recent:
+        if offline in ("top_c", "participative") and row.recent_frames != recent:
+            continue
+        if offline == "participative" and row.capacity != capacity:
             continue
         recalls.append(row.recall)
     return recalls
@@ -140,24 +155,24 @@ def offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent) -
 
 def expected_summary_row(deviation: pd.DataFrame, recall: pd.DataFrame, key) -> dict:
     """One summary row by plain loops over the tables (the module docstring's definitions)."""
-    checkpoint, prompt, policy, budget, sink, recent = key
+    checkpoint, prompt, policy, budget, sink, recent, capacity = key
     frames = {}
     for row in deviation.itertuples(index=False):
         if (row.checkpoint, row.prompt, row.policy, row.budget, row.sink_frames) == key[:5]:
-            if row.recent_frames == recent:
+            if (row.recent_frames, row.capacity) == (recent, capacity):
                 frames[row.frame] = (row.block, row.rel_l2, row.cosine)
     evicting = None
     for block in sorted({b for b, _, _ in frames.values()}):
         members = [f for f, (b, _, _) in frames.items() if b == block]
-        if max(members) + 1 > budget:
+        if max(members) + 1 > capacity:
             evicting = min(members)
             break
     after = [f for f in frames if evicting is not None and f >= evicting]
     beyond = [frames[f][1] for f in frames if f >= TRAIN_FRAMES]
-    offline = {"deep_sink": "sink_window"}.get(policy, policy)
+    offline = {"deep_sink": "sink_window", "deep_forcing": "participative"}.get(policy, policy)
     if offline == "sink_window" and sink == 0:
         offline = "window"
-    recalls = offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent)
+    recalls = offline_recalls(recall, checkpoint, prompt, offline, budget, sink, recent, capacity)
     return {
         "frames": len(frames),
         "evicting_from": evicting,
@@ -191,8 +206,8 @@ def test_summary_matches_plain_loops(tmp_path):
     recall = pd.concat(
         [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in recall_paths]
     )
-    recall["sink_frames"] = recall["sink_frames"].fillna(-1)
-    recall["recent_frames"] = recall["recent_frames"].fillna(-1)
+    for column in policies.OPTIONAL_COLUMNS:
+        recall[column] = recall[column].fillna(-1)
     seen = set()
     for row in written.to_dict("records"):
         key = tuple(row[c] for c in closed_loop.RUN_KEYS)
@@ -229,12 +244,20 @@ def test_summary_matches_plain_loops(tmp_path):
     assert deep["offline_policy"] == "sink_window"
     assert (deep["recall"], deep["recall_rows"]) == (sink["recall"], sink["recall_rows"])
     s0 = by_key[("cat", "sink_window", 6, 0)]
-    window6 = offline_recalls(recall, "demo", "cat", "window", 6, 0, 0)
-    sink0 = offline_recalls(recall, "demo", "cat", "sink_window", 6, 0, 0)
+    window6 = offline_recalls(recall, "demo", "cat", "window", 6, 0, 0, 6)
+    sink0 = offline_recalls(recall, "demo", "cat", "sink_window", 6, 0, 0, 6)
     assert s0["offline_policy"] == "window" and s0["recall"] == pytest.approx(mean(window6))
     assert s0["recall_rows"] == len(window6) == 2 * 2 * 2 * 1  # the last block sees 8 > 6
     assert mean(sink0) != pytest.approx(mean(window6))  # the fixture tells them apart
-    # the order: per run, window, sink_window, deep_sink, top_c, then by budget
+    # Participative Compression drops keys from the block that overflows its cache of 6 frames
+    # on (block 3, frames 6-7), whatever its budget; with Deep Sink under it, the same recall.
+    pc, df = by_key[("cat", "participative", 4, 1)], by_key[("cat", "deep_forcing", 4, 1)]
+    assert pc["evicting_from"] == df["evicting_from"] == 6
+    assert df["offline_policy"] == pc["offline_policy"] == "participative"
+    assert (df["recall"], df["recall_rows"]) == (pc["recall"], pc["recall_rows"])
+    assert pc["recall_rows"] == 2 * 2 * 2 * 1  # the last block sees 8 > 6
+    # the order: per run, window, sink_window, deep_sink, participative, deep_forcing, top_c,
+    # then by budget
     cat = written[written["prompt"] == "cat"]
     assert list(zip(cat["policy"], cat["budget"], strict=True)) == [
         ("window", 4),
@@ -243,6 +266,8 @@ def test_summary_matches_plain_loops(tmp_path):
         ("sink_window", 4),
         ("sink_window", 6),
         ("deep_sink", 4),
+        ("participative", 4),
+        ("deep_forcing", 4),
         ("top_c", 4),
     ]
 
@@ -260,7 +285,7 @@ def test_summary_without_recall_tables(tmp_path):
 
 
 def test_beyond_training_is_nan_without_such_frames(tmp_path):
-    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=1)
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, 4, seed=1)
     summary = closed_loop.closed_loop_summary(table, pd.DataFrame(), FRAMES)
     assert math.isnan(summary["rel_l2_beyond_training"].iloc[0])
     summary = closed_loop.closed_loop_summary(table, pd.DataFrame(), FRAMES - 1)
@@ -269,7 +294,7 @@ def test_beyond_training_is_nan_without_such_frames(tmp_path):
 
 def test_read_deviation_refusals_name_the_file(tmp_path):
     good = tmp_path / "good.csv"
-    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=0)
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, 4, seed=0)
     table.to_csv(good, index=False)
     read = closed_loop.read_deviation([good])
     pd.testing.assert_frame_equal(read, table, check_dtype=False)
@@ -368,6 +393,8 @@ def test_deviation_figure_draws_the_tables(tmp_path):
         "window": "window B={}",
         "sink_window": "sink_window B={} S={}",
         "deep_sink": "deep_sink B={} S={}",
+        "participative": "participative B={} S={} R={} L={}",
+        "deep_forcing": "deep_forcing B={} S={} R={} L={}",
         "top_c": "top_c B={} R={}",
     }
     for checkpoint, prompt in RUNS:
@@ -375,9 +402,10 @@ def test_deviation_figure_draws_the_tables(tmp_path):
         lines = data_lines(ax)
         assert len(lines) == len(LOOP_POLICIES)
         assert ax.get_yscale() == "log"  # the deviations span two decades
-        for policy, budget, sink, recent in LOOP_POLICIES:
-            extra = recent if policy == "top_c" else sink
-            line = lines[labels[policy].format(budget, extra)]
+        for policy, budget, sink, recent, capacity in LOOP_POLICIES:
+            values = {"top_c": (recent,), "participative": (sink, recent, capacity)}
+            values["deep_forcing"] = values["participative"]
+            line = lines[labels[policy].format(budget, *values.get(policy, (sink,)))]
             rows = table[
                 (table["prompt"] == prompt)
                 & (table["policy"] == policy)
@@ -394,20 +422,20 @@ def test_deviation_figure_draws_the_tables(tmp_path):
             if line.get_label().startswith("_")
         }
         assert verticals == {
-            "_first eviction, B = 4": 4,
-            "_first eviction, B = 5": 4,
-            "_first eviction, B = 6": 6,
+            "_first eviction, cache 4": 4,
+            "_first eviction, cache 5": 4,
+            "_first eviction, cache 6": 6,
             "_training length": TRAIN_FRAMES,
         }
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "training length (6 frames)" in texts
-    assert "first eviction (frames 4, 4, 6 for B = 4, 5, 6)" in texts
+    assert "first eviction (frames 4, 4, 6, caches of 4, 5, 6)" in texts
     assert "frames equal to the reference (0) are not drawn" in fig.get_suptitle()
     assert "latent deviation from the full-cache rollout" in fig.get_suptitle()
 
 
 def test_deviation_figure_of_one_run_and_policy_is_linear_when_narrow():
-    table = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
+    table = deviation_table("demo", "cat", "window", 4, 0, 0, 4, seed=3)
     table["rel_l2"] = np.where(table["rel_l2"] > 0, 0.2 + 0.01 * table["frame"], 0.0)
     fig = plot_closed_loop_deviation(table)
     (ax,) = fig.axes
@@ -416,7 +444,7 @@ def test_deviation_figure_of_one_run_and_policy_is_linear_when_narrow():
     np.testing.assert_array_equal(line.get_ydata(), table["rel_l2"].to_numpy(float))
     assert [t.get_text() for t in fig.legends[0].get_texts()] == [
         "window B=4",
-        "first eviction (frame 4, B = 4)",
+        "first eviction (frame 4, cache of 4)",
     ]
 
 
@@ -436,7 +464,9 @@ def test_recall_figure_draws_the_summary(tmp_path):
         points |= {(label, float(x), float(y)) for x, y in zip(*line.get_data(), strict=True)}
     expected = {
         (
-            closed_loop.policy_label(r.policy, r.budget, r.sink_frames, r.recent_frames),
+            closed_loop.policy_label(
+                r.policy, r.budget, r.sink_frames, r.recent_frames, r.capacity
+            ),
             float(r.recall),
             float(r.rel_l2_mean),
         )
@@ -454,7 +484,7 @@ def test_recall_figure_draws_the_summary(tmp_path):
 
 def test_recall_figure_with_nothing_to_draw():
     summary = closed_loop.closed_loop_summary(
-        deviation_table("demo", "cat", "top_c", 4, 0, 1, seed=2), pd.DataFrame(), TRAIN_FRAMES
+        deviation_table("demo", "cat", "top_c", 4, 0, 1, 4, seed=2), pd.DataFrame(), TRAIN_FRAMES
     )
     fig = plot_closed_loop_recall(summary)
     (ax,) = fig.axes
@@ -466,7 +496,7 @@ def test_recall_figure_with_nothing_to_draw():
 def test_closed_loop_figures_without_titles_leave_out_a_single_run():
     """`figures.titles: false`: a single run is named in neither figure (the caption names it);
     several runs keep their panel titles and point names, which tell them apart."""
-    one = deviation_table("demo", "cat", "window", 4, 0, 0, seed=3)
+    one = deviation_table("demo", "cat", "window", 4, 0, 0, 4, seed=3)
     for titles in (True, False):
         (ax,) = plot_closed_loop_deviation(one, titles=titles).axes
         assert ax.get_title() == ("demo · cat" if titles else "")
@@ -474,7 +504,7 @@ def test_closed_loop_figures_without_titles_leave_out_a_single_run():
         suptitle = plot_closed_loop_recall(summary, titles=titles).get_suptitle()
         assert ("demo · cat" in suptitle) == titles
         assert "one point per policy" in suptitle
-    two = pd.concat([one, deviation_table("demo", "dog", "window", 4, 0, 0, seed=4)])
+    two = pd.concat([one, deviation_table("demo", "dog", "window", 4, 0, 0, 4, seed=4)])
     fig = plot_closed_loop_deviation(two, titles=False)
     assert [ax.get_title() for ax in fig.axes] == ["demo · cat", "demo · dog"]
 

@@ -158,7 +158,18 @@ def test_schema_refuses(change, message):
         ),
         (
             lambda c: c["closed_loop"].update(budget=3, policies=["top_c"]),
-            "fewer than policies.recent_frames=3 of top_c",
+            "fewer than policies.recent_frames=1 of top_c",
+        ),
+        (
+            lambda c: c["closed_loop"].update(budget=6, policies=["deep_forcing"]),
+            "closed_loop.budget=6 leaves 3 frames beside the own block of 3 "
+            "(video.frames_per_block), fewer than closed_loop.sink_frames=3 + "
+            "policies.recent_frames=1 of deep_forcing",
+        ),
+        (
+            lambda c: c["policies"].update(capacity=6),
+            "policies.capacity=6 is less than closed_loop.budget=9: participative prunes its "
+            "cache of capacity frames to the budget",
         ),
         (
             lambda c: c["closed_loop"].update(survey=[4]),
@@ -193,6 +204,8 @@ def test_schema_refuses(change, message):
         "closed-loop-sinks-not-swept",
         "closed-loop-sinks-fill-the-cache",
         "closed-loop-recent-fill-the-cache",
+        "closed-loop-sinks-and-recent-fill-the-cache",
+        "closed-loop-capacity-under-the-budget",
         "closed-loop-survey-out-of-range",
         "closed-loop-integer",
     ],
@@ -281,12 +294,38 @@ def test_closed_loop_entries_and_params(tmp_path):
         "name": "deep_sink",
         "budget": 9,
         "sink_frames": 3,
+        "turn": "delta",
     }
     assert entries.closed_loop_policy(config, "top_c") == {
         "name": "top_c",
         "budget": 9,
-        "recent_frames": 3,
+        "recent_frames": 1,
     }
+    participative = {
+        "budget": 9,
+        "sink_frames": 3,
+        "recent_frames": 1,
+        "capacity": 21,
+        "reuse_cap": 7,
+    }
+    assert entries.closed_loop_policy(config, "participative") == {
+        "name": "participative",
+        **participative,
+    }
+    assert entries.closed_loop_policy(config, "deep_forcing") == {
+        "name": "deep_forcing",
+        **participative,
+        "turn": "delta",
+    }
+    # A policy's settings are only those it uses: the turn reruns only deep_sink and
+    # deep_forcing, the capacity only Participative Compression.
+    turned = checked(lambda c: c["closed_loop"].update(sink_turn="rerope"))
+    changed = {
+        name
+        for name in entries.closed_loop_policies(config)
+        if entries.closed_loop_policy(turned, name) != entries.closed_loop_policy(config, name)
+    }
+    assert changed == {"deep_sink", "deep_forcing"}
     settings = closed_loop_settings(config, "demo_a", "window", cache=tmp_path / "digests.json")
     assert settings["video"]["num_frames"] == 42
     assert settings["policy"] == {"name": "window", "budget": 9}

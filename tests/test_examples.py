@@ -89,6 +89,21 @@ def test_examples_plan_their_jobs(example_root, example, checkpoints, prompts):
     assert not any(rule.startswith("make_demo") for rule, _ in jobs)  # the demo does not leak in
 
 
+def test_deep_forcing_example_plans_its_closed_loop(example_root):
+    """The release's policies at its settings: one closed-loop job (the full cache and every
+    policy, 126 frames), the survey for the offline recall, no token store."""
+    args = ("--configfile", "examples/deep_forcing.yaml", "--replace-workflow-config")
+    jobs = planned_jobs(example_root, *args)
+    rules = {rule for rule, _ in jobs}
+    assert "extract" not in rules and "survey" in rules
+    assert [w for rule, w in jobs if rule == "closed_loop"] == [
+        "checkpoint=self_forcing_dmd, prompt=eagle"
+    ]
+    result = snakemake(example_root, "-n", *args)
+    for policy in ("full", "window", "deep_sink", "participative", "deep_forcing"):
+        assert f"results/closed_loop/self_forcing_dmd/eagle/{policy}.safetensors" in result.stdout
+
+
 def test_self_forcing_example_runs_end_to_end(example_root):
     (example_root / "small.yaml").write_text(SMALL_VIDEO)
     snakemake(

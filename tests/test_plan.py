@@ -41,18 +41,17 @@ def test_plan_counts_every_writing_job_with_its_bound():
     )
     assert len(attention.jobs) == 4 and set(attention.jobs.values()) == {4 * one}
     loop = families["closed loop"]
-    assert sorted(loop.jobs) == sorted(
-        f"closed_loop demo_a/eagle/{p}"
-        for p in ("full", "window", "sink_window", "deep_sink", "top_c")
-    )
+    # One job per run: the latents of the full cache and of the 6 policies, and layer 0 captured
+    # in the full-cache and the 3 frame-level rollouts (the token-level ones capture nothing).
+    assert list(loop.jobs) == ["closed_loop demo_a/eagle"]
     latents = 16 * 42 * 8 * 12 * 4
     at_42 = attention_store_disk_bytes(
         num_passes=5, num_heads=4, num_frames=42, frame_seq_length=24, frames_per_block=3
     )
-    assert loop.jobs["closed_loop demo_a/eagle/top_c"] == latents  # nothing captured
-    assert loop.jobs["closed_loop demo_a/eagle/window"] == latents + at_42  # layer 0 captured
+    assert loop.jobs["closed_loop demo_a/eagle"] == 7 * latents + 4 * at_42
     text = plan.format_plan(config)
-    assert f"largest job: survey demo_a/eagle, {4 * one / 1e6:.1f} MB" in text
+    largest = (7 * latents + 4 * at_42) / 1e6
+    assert f"largest job: closed_loop demo_a/eagle, {largest:.1f} MB" in text
     assert re.search(r"free on .* \(fits\)", text)
     assert plan.job_disk_mb(config, "demo_a", "extract") == -(-bound // 1_000_000)
 
@@ -61,7 +60,7 @@ def test_plan_counts_every_writing_job_with_its_bound():
 def test_a_dry_run_prints_the_plan_and_jobs_declare_their_disk(tmp_path):
     workdir = copy_workflow(tmp_path / "w")
     result = snakemake(workdir, "-n")
-    assert "sinkscope plan" in result.stderr and "largest job: survey" in result.stderr
+    assert "sinkscope plan" in result.stderr and "largest job: closed_loop" in result.stderr
     assert "GPU memory (estimate, bf16)" in result.stderr
     config = checked()
     disk = {
@@ -69,7 +68,7 @@ def test_a_dry_run_prints_the_plan_and_jobs_declare_their_disk(tmp_path):
         for rule, job, kwargs in (
             ("extract", "extract", {}),
             ("survey", "survey", {"layers": 4}),
-            ("closed_loop_top_c", "closed_loop", {"layers": 1, "frames": 42}),
+            ("closed_loop", "closed_loop", {}),
         )
     }
     for rule, megabytes in disk.items():

@@ -11,6 +11,7 @@ from sinkscope.analysis.policies import (
     COLUMNS,
     frame_policy_recall,
     frames_kept,
+    participative_recall,
     read_policies,
     summarize_policies,
     token_policy_recall,
@@ -102,39 +103,162 @@ def test_frame_policy_edge_cases():
     assert frames_kept(np.array([0, 1, 5, 6, 7]), "sink_window", 3, 2).tolist() == [0, 1, 7]
 
 
+def brute_top_c(key_mass, blocks, budget, recent, cache_step) -> dict:
+    """{(block, head): kept tokens} of top_c, written from its rule alone: per head, the own block
+    and the `recent` frames before it whole; the frames leaving that window join the kept
+    history, cut to the C = (budget - own - recent) x T with the most mean key_mass from the
+    previous block's queries at the cache pass (ties: the older token)."""
+    frames_per_block = max(np.bincount(blocks))
+    history_size = (budget - frames_per_block - recent) * T
+    kept = {}
+    for head in range(key_mass.shape[1]):
+        history: list[int] = []
+        window_start = 0
+        for block in range(blocks.max() + 1):
+            queries = list(np.flatnonzero(blocks == block))
+            new_start = max(window_start, (queries[0] - recent) * T)
+            candidates = history + list(range(window_start, new_start))
+            if len(candidates) > history_size:
+                previous = np.flatnonzero(blocks == block - 1)
+                score = key_mass[cache_step, head, previous].mean(axis=0)
+                # Keys the previous block could not see (NaN) rank last.
+                order = np.nan_to_num(-score, nan=np.inf)
+                ranked = sorted(candidates, key=lambda tok: (order[tok], candidates.index(tok)))
+                candidates = sorted(ranked[:history_size], key=candidates.index)
+            history, window_start = candidates, new_start
+            kept[block, head] = history + list(range(window_start, (queries[-1] + 1) * T))
+    return kept
+
+
 @pytest.mark.parametrize(("window", "sinks"), CASES, ids=IDS)
 def test_top_c_equals_brute_force(window, sinks):
     rng = np.random.default_rng(3)
     key_mass = synthetic_key_mass(rng, SIZES, window, sinks)
     blocks = block_of_frame(SIZES)
     recent = 1
-    rows = token_policy_recall(key_mass, blocks, T, budgets=[3, 4, 6, 10], recent_frames=recent)
+    rows = token_policy_recall(
+        key_mass, blocks, T, budgets=[3, 4, 6, 10], recent_frames=recent, cache_step=1
+    )
     policies = {row[4] for row in rows}
     assert policies == {"top_c", "top_c_oracle"}
+    kept = {budget: brute_top_c(key_mass, blocks, budget, recent, 1) for budget in (3, 4, 6, 10)}
+    chose = 0
     for step, head, block, visible_count, policy, budget, recent_frames, recall in rows:
         queries = list(np.flatnonzero(blocks == block))
         current = np.mean([key_mass[step, head, q] for q in queries], axis=0)
         visible = [f for f in range(len(blocks)) if not np.isnan(current[f * T])]
         assert visible_count == len(visible) and recent_frames == recent
+        if policy == "top_c":
+            tokens = kept[budget][block, head]
+            chose += len(tokens) < (queries[-1] + 1) * T
+            assert recall == pytest.approx(np.nansum(current[tokens]), abs=1e-12)
+            continue
         before = [f for f in visible if f < queries[0]]
         recent_set = before[-recent:]
         history = [f for f in before if f not in recent_set]
-        scorer = current
-        if policy == "top_c":
-            previous = list(np.flatnonzero(blocks == block - 1))
-            scorer = np.mean([key_mass[step, head, q] for q in previous], axis=0)
-        tokens = [tok for f in history for tok in range(f * T, (f + 1) * T)]
-        ranked = sorted(tokens, key=lambda tok: (-scorer[tok], tok))
+        history_tokens = [tok for f in history for tok in range(f * T, (f + 1) * T)]
+        ranked = sorted(history_tokens, key=lambda tok: (-current[tok], tok))
         chosen = ranked[: max(0, (budget - len(queries) - len(recent_set)) * T)]
-        kept = [tok for f in queries + recent_set for tok in range(f * T, (f + 1) * T)] + chosen
-        assert recall == pytest.approx(current[kept].sum(), abs=1e-12)
+        own = [tok for f in queries + recent_set for tok in range(f * T, (f + 1) * T)]
+        assert recall == pytest.approx(current[own + chosen].sum(), abs=1e-12)
+    assert chose
     table = pd.DataFrame(rows, columns=["s", "h", "b", "v", "policy", "budget", "r", "recall"])
     # The oracle bounds the causal choice; everything visible gives 1.
     merged = table.pivot_table(index=["s", "h", "b", "budget"], columns="policy", values="recall")
     merged = merged.dropna()
     assert (merged["top_c_oracle"] >= merged["top_c"] - 1e-12).all()
-    full = table[table["budget"] >= table["v"]]
+    full = table[(table["budget"] >= table["v"]) & (table["policy"] == "top_c_oracle")]
     assert len(full) and np.allclose(full["recall"], 1.0)
+    # Without the cache pass no causal choice: only the oracle.
+    oracle_only = token_policy_recall(key_mass, blocks, T, [4], recent, cache_step=None)
+    assert {row[4] for row in oracle_only} == {"top_c_oracle"}
+
+
+def brute_participative(logit_mean, sizes, passes, budget, sinks, recent, capacity, cap) -> dict:
+    """{block: kept tokens} of Participative Compression from per-key-token mean logits
+    [pass, head, query_frame, key_token], written from the release's rules alone (spec:
+    ../shared/reference/long-video-family.md): every call's queries join a buffer of the newest
+    (recent + block) frames of query tokens; a block that overflows `capacity` frames prunes to
+    the sinks, the top C (budget - sinks - recent - block frames of tokens) eligible tokens by
+    the buffered queries' summed logits over the heads, and the newest (recent + block) frames;
+    a token chosen `cap` times is no longer eligible."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    per_block = max(sizes)
+    recent_frames = recent + per_block
+    calls = [(b, p) for b in range(len(sizes)) for p in range(passes)]
+    held: list[int] = []
+    counts: dict[int, int] = {}
+    kept = {}
+    for b in range(len(sizes)):
+        new = list(range(starts[b] * T, starts[b + 1] * T))
+        augmented = held + new
+        if len(held) + len(new) > capacity * T:
+            # The buffer: the newest recent_frames frames of queries in call order.
+            frames = []
+            for cb, cp in reversed(calls[: calls.index((b, 0)) + 1]):
+                frames += [(cp, f) for f in range(starts[cb + 1] - 1, starts[cb] - 1, -1)]
+            frames = frames[:recent_frames]
+            score = {
+                tok: sum(logit_mean[p, :, f, tok].sum() for p, f in frames) for tok in augmented
+            }
+            n_sink = sinks * T
+            n_recent = recent_frames * T
+            top = max(0, max(budget * T, n_sink + n_recent) - n_sink - n_recent)
+            candidates = augmented[n_sink : len(augmented) - n_recent]
+            eligible = [tok for tok in candidates if counts.get(tok, 0) < cap]
+            chosen = sorted(sorted(eligible, key=lambda tok: (-score[tok], tok))[:top])
+            for tok in chosen:
+                counts[tok] = counts.get(tok, 0) + 1
+            augmented = augmented[:n_sink] + chosen + augmented[len(augmented) - n_recent :]
+        held = augmented
+        kept[b] = list(held)
+    return kept
+
+
+def test_participative_equals_brute_force():
+    rng = np.random.default_rng(4)
+    sizes = [2] * 9
+    blocks = block_of_frame(sizes)
+    key_mass = synthetic_key_mass(rng, sizes, steps=5)
+    logit_mean = np.where(np.isnan(key_mass), np.nan, rng.standard_normal(key_mass.shape))
+    settings = {"budgets": [5, 6, 8], "sinks": [0, 1], "recent_frames": 1, "capacity": 7}
+    rows = participative_recall(
+        key_mass,
+        logit_mean,
+        blocks,
+        T,
+        passes=range(5),
+        passes_per_block=5,
+        reuse_cap=2,
+        **settings,
+    )
+    assert {row[4] for row in rows} == {"participative"}
+    pruned = 0
+    for budget in settings["budgets"]:
+        for sinks in settings["sinks"]:
+            if sinks + 1 + 2 > budget:
+                assert not [r for r in rows if r[5] == budget and r[6] == sinks]
+                continue
+            kept = brute_participative(logit_mean, sizes, 5, budget, sinks, 1, 7, 2)
+            for step, head, block, _, _, b, s, recall in rows:
+                if (b, s) != (budget, sinks):
+                    continue
+                queries = np.flatnonzero(blocks == block)
+                current = key_mass[step, head, queries].mean(axis=0)
+                pruned += len(kept[block]) < (queries[-1] + 1) * T
+                assert recall == pytest.approx(np.nansum(current[kept[block]]), abs=1e-12)
+    assert pruned
+    # A store without a pass the buffer needs has no participative rows.
+    assert not participative_recall(
+        key_mass[:1],
+        logit_mean[:1],
+        blocks,
+        T,
+        passes=[0],
+        passes_per_block=5,
+        reuse_cap=2,
+        **settings,
+    )
 
 
 def test_recall_table_of_a_captured_rollout(tmp_path, tiny_model, tiny_text):
@@ -156,7 +280,13 @@ def test_recall_table_of_a_captured_rollout(tmp_path, tiny_model, tiny_text):
     )
     table = read_policies(out)
     assert list(table.columns) == COLUMNS
-    assert set(table["policy"]) == {"window", "sink_window", "top_c", "top_c_oracle"}
+    assert set(table["policy"]) == {
+        "window",
+        "sink_window",
+        "top_c",
+        "top_c_oracle",
+        "participative",
+    }
     assert table["recall"].between(0, 1 + 1e-6).all()
     # top_c with R = 0 and a budget of only the own block keeps the own block: as window does
     # when the budget is the block size (2 frames here).
@@ -168,11 +298,12 @@ def test_recall_table_of_a_captured_rollout(tmp_path, tiny_model, tiny_text):
         window.set_index(keys)["recall"].sort_index(),
         atol=1e-6,
     )
+    order = [column for column in COLUMNS if column not in ("checkpoint", "prompt", "recall")]
     other = table.assign(prompt="other", recall=table["recall"] / 2)
     summary = summarize_policies([table, other])
     means = summary[summary["aggregate"] == "mean"]
     assert len(means) == len(table) and (means["prompt"] == "*").all()
     np.testing.assert_allclose(
-        means.sort_values(COLUMNS[2:13])["recall"].to_numpy(),
-        table.sort_values(COLUMNS[2:13])["recall"].to_numpy() * 0.75,
+        means.sort_values(order)["recall"].to_numpy(),
+        table.sort_values(order)["recall"].to_numpy() * 0.75,
     )

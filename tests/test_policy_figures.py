@@ -32,6 +32,7 @@ BLOCKS = 3  # query blocks 0, 1, 2: the last sees 6 frames
 BUDGETS = [2, 4, 6]
 SINKS = [0, 1, 2]
 RECENT = 1
+CAPACITY = 4  # participative prunes from the block that sees more
 TIMESTEPS = [1000.0, 937.5]
 PASS_KINDS = ["denoise", "denoise"]
 
@@ -56,22 +57,29 @@ def make_table(
                 for block in range(BLOCKS):
                     visible = BLOCK * (block + 1)
                     common = (checkpoint, prompt, layer, head, step, timestep, kind, block, visible)
-                    choices = [("window", b, 0, pd.NA) for b in BUDGETS]
+                    choices = [("window", b, 0, pd.NA, pd.NA) for b in BUDGETS]
                     choices += [
-                        ("sink_window", b, s, pd.NA) for b in BUDGETS for s in SINKS if s < b
+                        ("sink_window", b, s, pd.NA, pd.NA) for b in BUDGETS for s in SINKS if s < b
                     ]
+                    if layer not in no_store:
+                        choices += [
+                            ("participative", b, s, RECENT, CAPACITY)
+                            for b in BUDGETS
+                            for s in SINKS
+                            if s + RECENT + BLOCK <= b
+                        ]
                     if layer not in no_store and block > 0:
                         choices += [
-                            (policy, b, pd.NA, RECENT)
+                            (policy, b, pd.NA, RECENT, pd.NA)
                             for policy in ("top_c", "top_c_oracle")
                             for b in BUDGETS
                             if b >= BLOCK + RECENT
                         ]
-                    for policy, budget, sink, recent in choices:
+                    for policy, budget, sink, recent, capacity in choices:
                         recall = 1.0 if budget >= visible else float(rng.uniform(0.0, 1.0))
-                        rows.append((*common, policy, budget, sink, recent, recall))
+                        rows.append((*common, policy, budget, sink, recent, capacity, recall))
     table = pd.DataFrame(rows, columns=policies.COLUMNS)
-    for column in ("sink_frames", "recent_frames"):
+    for column in policies.OPTIONAL_COLUMNS:
         table[column] = table[column].astype("Int64")
     return table
 

@@ -184,7 +184,13 @@ def test_report_holds_the_summary_table(demo_report):
     assert set(deviation["policy"]) == set(CONFIG["closed_loop"]["policies"])
     assert plain_text(first_line("closed_loop_summary")) in plain_text(results[closed]["caption"])
     recall = pd.read_csv(io.BytesIO(decode_data_uri(results[policies]["data_uri"])))
-    assert set(recall["policy"]) == {"window", "sink_window", "top_c", "top_c_oracle"}
+    assert set(recall["policy"]) == {
+        "window",
+        "sink_window",
+        "participative",
+        "top_c",
+        "top_c_oracle",
+    }
     entry = results[path]
     assert entry["labels"] == {"table": "summary (csv)"}
     table = pd.read_csv(io.BytesIO(decode_data_uri(entry["data_uri"])))

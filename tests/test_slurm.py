@@ -32,10 +32,17 @@ pytestmark = pytest.mark.workflow
 
 # The demo surveys every layer, so its frame datasets come from the survey (reduce_attention
 # runs locally) and rule reduce has nothing to do.
-CLOSED_LOOP_RULES = {"closed_loop_reference", "closed_loop", "closed_loop_top_c"}
-SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies", *CLOSED_LOOP_RULES}
+SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies", "closed_loop"}
 RUNS = [(c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0,)]
-CLOSED_LOOP_POLICIES = ("full", "window", "sink_window", "deep_sink", "top_c")
+CLOSED_LOOP_POLICIES = (
+    "full",
+    "window",
+    "sink_window",
+    "deep_sink",
+    "participative",
+    "deep_forcing",
+    "top_c",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +96,8 @@ def test_gpu_jobs_went_through_sbatch_asking_for_a_gpu(slurm_run):
     assert set(rules) == SBATCH_RULES  # stats, figures, summary... ran locally
     assert len(rules["extract"]) == len(RUNS) and len(rules["encode_prompt"]) == 2
     assert len(rules["survey"]) == 4  # one per checkpoint and prompt, every layer at once
-    loop = [record for rule in sorted(CLOSED_LOOP_RULES) for record in rules[rule]]
-    assert len(loop) == len(CLOSED_LOOP_POLICIES)  # demo_a / eagle: the full cache, 4 policies
+    loop = rules["closed_loop"]
+    assert len(loop) == 1  # demo_a / eagle: one job, the full cache and every policy
     for record in rules["extract"] + rules["encode_prompt"] + rules["survey"] + loop:
         assert record["JobState"] == "COMPLETED"
         assert record["TresPerJob"] == "gres:gpu:1", record

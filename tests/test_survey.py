@@ -60,11 +60,13 @@ def test_softmax_reductions_equal_float64_brute_force(row_chunk):
 
 
 def _brute_attention(calls, local_attn_size, sink_size):
-    """key_mass [5, H, F, N] and entropy [5, H, F] in float64 from the recorded q and k."""
+    """key_mass [5, H, F, N], entropy [5, H, F] and key_logit_mean [5, H, F, N] in float64 from
+    the recorded q and k."""
     seen = visible_frames(TINY_GEOMETRY.block_sizes, local_attn_size, sink_size)
     num_frames = TINY_GEOMETRY.num_frames
     heads = TINY.num_heads
     key_mass = np.full((5, heads, num_frames, num_frames * T), np.nan)
+    key_logit_mean = np.full_like(key_mass, np.nan)
     entropy = np.full((5, heads, num_frames), np.nan)
     scale = 1 / math.sqrt(TINY.head_dim)
     for start, size, step, q, keys in _calls_with_keys(calls):
@@ -79,7 +81,9 @@ def _brute_attention(calls, local_attn_size, sink_size):
                 )
                 key_mass[step, head, frame, columns] = mass
                 entropy[step, head, frame] = entropies.mean()
-    return key_mass, entropy
+                logits = q[i * T : (i + 1) * T, head] @ k_all[:, head].T * scale
+                key_logit_mean[step, head, frame, columns] = logits.mean(axis=0)
+    return key_mass, entropy, key_logit_mean
 
 
 @pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 1)], ids=["full", "sink"])
@@ -90,13 +94,16 @@ def test_both_stores_reduce_to_the_float64_brute_force(
     attention, tokens = tmp_path / "attention.zarr", tmp_path / "tokens.zarr"
     calls = _capture_rollout(tiny_model, tiny_text, attention, 1, store="attention", **window)
     _capture_rollout(make_tiny_model(), tiny_text, tokens, 1, **window)
-    key_mass, entropy = _brute_attention(calls, **window)
+    key_mass, entropy, key_logit_mean = _brute_attention(calls, **window)
 
     stored = xr.open_zarr(attention)  # plain xarray opens Contract 4
     assert stored.key_mass.dims == ("step", "head", "query_frame", "key_token")
     np.testing.assert_array_equal(np.isnan(stored.key_mass.values), np.isnan(key_mass))
     np.testing.assert_allclose(stored.key_mass.values, key_mass, rtol=0, atol=1e-6)
     np.testing.assert_allclose(stored.entropy.values, entropy, rtol=0, atol=1e-5)
+    assert stored.key_logit_mean.dims == stored.key_mass.dims
+    np.testing.assert_array_equal(np.isnan(stored.key_logit_mean.values), np.isnan(key_mass))
+    np.testing.assert_allclose(stored.key_logit_mean.values, key_logit_mean, rtol=1e-6, atol=1e-6)
 
     reduce_attention_store(attention, tmp_path / "a_frames.zarr")
     reduce_token_store(tokens, tmp_path / "t_frames.zarr")
@@ -183,8 +190,9 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
         local_attn_size=-1,
         sink_size=0,
     )
-    assert raw == 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 21 * 21) * 4
-    assert raw / tokens < 0.005
+    # key_mass and key_logit_mean float32 per key token; entropy and pooled logits.
+    assert raw == 2 * 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 21 * 21) * 4
+    assert raw / tokens < 0.01
     # The bound holds for incompressible key mass on a small geometry.
     num_frames, chunk_frames = sum(sizes), attention_chunk_frames(sizes)
     writer = AttentionStoreWriter(
@@ -204,7 +212,8 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
                 start = int(start)
                 keys = np.arange(start + size)
                 mass = rng.random((2, size, len(keys) * 8)).astype(np.float32)
-                writer.write_block(step, start, keys, mass, rng.random((2, size)))
+                logits = rng.standard_normal(mass.shape).astype(np.float32)
+                writer.write_block(step, start, keys, mass, rng.random((2, size)), logits)
     used = sum(p.stat().st_size for p in (tmp_path / "s.zarr").rglob("*") if p.is_file())
     bound = attention_store_disk_bytes(
         num_passes=2,

@@ -7,15 +7,17 @@ job `sinkscope.extraction.closed_loop`) has one row per latent frame of a rollou
 cache under one policy: `rel_l2` = ||x - ref|| / ||ref|| and `cosine` of that frame's clean latent
 x against the full-cache rollout ref of the same noise (so 0 and 1 where the cache has dropped
 nothing yet). `budget` B counts the latent frames of keys kept per query block, its own block
-included; `sink_frames` S is set for `sink_window` and `deep_sink`, `recent_frames` R for
-`top_c`, each 0 otherwise.
+included; `sink_frames` S is set for the policies that keep sinks (`sink_window`, `deep_sink`,
+`participative`, `deep_forcing`), `recent_frames` R for those that keep recent frames before
+the own block (`participative`, `deep_forcing`, `top_c`), each 0 otherwise; `capacity` is the
+frames the cache holds before it drops any: B, or Participative Compression's cache.
 
 The summary (`closed_loop_summary`) has one row per (checkpoint, prompt, policy, budget,
-sink_frames, recent_frames), frames and blocks 0-based:
+sink_frames, recent_frames, capacity), frames and blocks 0-based:
 - `frames`: the latent frames of the rollout;
 - `evicting_from`: the first frame of the first block whose cache had to drop something, i.e. the
-  first block whose end (its last frame + 1, the frames its queries see) exceeds B; empty when no
-  block does (then every mean below is NaN);
+  first block whose end (its last frame + 1, the frames its queries see) exceeds the capacity;
+  empty when no block does (then every mean below is NaN);
 - `rel_l2_mean`, `cosine_mean`: the means of `rel_l2` and `cosine` over the frames
   >= `evicting_from` (the frames before it equal the reference);
 - `rel_l2_last`: `rel_l2` of the last frame;
@@ -23,13 +25,15 @@ sink_frames, recent_frames), frames and blocks 0-based:
   the model was trained on, e.g. 21); NaN when the rollout has none;
 - `offline_policy`: the offline policy whose recall describes the closed-loop one
   (`OFFLINE_POLICY`): `deep_sink` keeps the frames of `sink_window` (only the RoPE of its sink
-  keys differs), and a sink window of S = 0 is the offline `window`;
+  keys differs), `deep_forcing` the tokens of `participative` (likewise), and a sink window of
+  S = 0 is the offline `window`;
 - `recall`: the mean offline recall of that policy in the same run's recall table, at the same B
-  (and the same S for `sink_window`, the same R for `top_c`), over every row (layer, head, step,
-  pass, query block) whose query block sees more than B frames (`visible_frames` > B: where the
-  policy actually drops keys); `recall_rows`: how many rows that mean took. Without such rows
-  (a budget the recall table lacks, `top_c` without a layer with an attention store, a recall
-  table with no block longer than B) `recall` is NaN and `recall_rows` 0.
+  (and the same S, R and capacity where the policy has them), over every row (layer, head, step,
+  pass, query block) whose query block sees more frames than the capacity (`visible_frames` >
+  capacity: where the policy actually drops keys); `recall_rows`: how many rows that mean took.
+  Without such rows (a budget the recall table lacks, a token policy without a layer with an
+  attention store, a recall table with no block longer than the capacity) `recall` is NaN and
+  `recall_rows` 0.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ OFFLINE_POLICY = {
     "window": "window",
     "sink_window": "sink_window",
     "deep_sink": "sink_window",
+    "participative": "participative",
+    "deep_forcing": "participative",
     "top_c": "top_c",
 }
 SUMMARY_COLUMNS = [
@@ -67,7 +73,7 @@ SUMMARY_COLUMNS = [
     "recall_rows",
 ]
 _TEXT = ["checkpoint", "prompt", "policy"]
-_INTEGERS = ["budget", "sink_frames", "recent_frames", "frame", "block"]
+_INTEGERS = ["budget", "sink_frames", "recent_frames", "capacity", "frame", "block"]
 _FLOATS = ["rel_l2", "cosine"]
 # What the recall tables must hold for the summary.
 _RECALL_COLUMNS = [*RUN_KEYS, "visible_frames", "recall"]
@@ -130,27 +136,37 @@ def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
 
 
 def _run_label(row) -> str:
-    label = policy_label(row["policy"], row["budget"], row["sink_frames"], row["recent_frames"])
+    label = policy_label(*(row[key] for key in RUN_KEYS[2:]))
     return f"{row['checkpoint']}/{row['prompt']} {label}"
 
 
-def policy_label(policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0) -> str:
+SINK_POLICIES = ("sink_window", "deep_sink", "participative", "deep_forcing")
+RECENT_POLICIES = ("participative", "deep_forcing", "top_c")
+
+
+def policy_label(
+    policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0, capacity: int = 0
+) -> str:
     """What figures and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9 S=3',
-    'top_c B=9 R=3' (as `CachePolicy.label` of the extraction does)."""
+    'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 L=21' (as `CachePolicy.label` of the extraction
+    does; L the capacity of Participative Compression)."""
     label = f"{policy} B={int(budget)}"
-    if policy in ("sink_window", "deep_sink"):
+    if policy in SINK_POLICIES:
         label += f" S={int(sink_frames)}"
-    elif policy == "top_c":
+    if policy in RECENT_POLICIES:
         label += f" R={int(recent_frames)}"
+    if OFFLINE_POLICY.get(policy) == "participative":
+        label += f" L={int(capacity)}"
     return label
 
 
-def evicting_frame(frames: Sequence[int], blocks: Sequence[int], budget: int) -> int | None:
-    """The first frame of the first block whose end (its last frame + 1) exceeds `budget`: from
-    there on the cache has dropped keys. None when every block fits."""
+def evicting_frame(frames: Sequence[int], blocks: Sequence[int], capacity: int) -> int | None:
+    """The first frame of the first block whose end (its last frame + 1) exceeds `capacity`, the
+    frames the cache holds before it drops any (the budget, or Participative Compression's
+    capacity): from there on the cache has dropped keys. None when every block fits."""
     table = pd.DataFrame({"frame": np.asarray(frames), "block": np.asarray(blocks)})
     by_block = table.groupby("block")["frame"].agg(["min", "max"]).sort_index()
-    over = by_block[by_block["max"] + 1 > int(budget)]
+    over = by_block[by_block["max"] + 1 > int(capacity)]
     return None if over.empty else int(over["min"].iloc[0])
 
 
@@ -163,7 +179,14 @@ def offline_policy(policy: str, sink_frames: int = 0) -> str:
 
 
 def _offline_recall(
-    recall: pd.DataFrame, checkpoint: str, prompt: str, offline: str, budget, sink, recent
+    recall: pd.DataFrame,
+    checkpoint: str,
+    prompt: str,
+    offline: str,
+    budget,
+    sink,
+    recent,
+    capacity,
 ) -> np.ndarray:
     """The recalls of the rows of `recall` that describe one closed-loop rollout (module
     docstring)."""
@@ -172,12 +195,18 @@ def _offline_recall(
         & (recall["prompt"].astype(str).to_numpy() == prompt)
         & (recall["policy"].astype(str).to_numpy() == offline)
         & (recall["budget"].to_numpy() == budget)
-        & (recall["visible_frames"].to_numpy() > budget)
+        & (recall["visible_frames"].to_numpy() > capacity)
     )
-    if offline == "sink_window":
-        mask &= recall["sink_frames"].astype("Float64").fillna(-1).to_numpy() == sink
-    elif offline == "top_c":
-        mask &= recall["recent_frames"].astype("Float64").fillna(-1).to_numpy() == recent
+
+    def column(name: str) -> np.ndarray:
+        return recall[name].astype("Float64").fillna(-1).to_numpy()
+
+    if offline in ("sink_window", "participative"):
+        mask &= column("sink_frames") == sink
+    if offline in ("top_c", "participative"):
+        mask &= column("recent_frames") == recent
+    if offline == "participative":
+        mask &= column("capacity") == capacity
     return recall["recall"].to_numpy(dtype=float)[mask]
 
 
@@ -205,16 +234,23 @@ def closed_loop_summary(
     order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
     rows = []
     for key, run in deviation.groupby(RUN_KEYS, sort=False):
-        checkpoint, prompt, policy, budget, sink, recent = key
+        checkpoint, prompt, policy, budget, sink, recent, capacity = key
         run = run.sort_values("frame")
         frame = run["frame"].to_numpy()
         rel_l2 = run["rel_l2"].to_numpy(dtype=float)
         cosine = run["cosine"].to_numpy(dtype=float)
-        start = evicting_frame(frame, run["block"].to_numpy(), int(budget))
+        start = evicting_frame(frame, run["block"].to_numpy(), int(capacity))
         evicting = frame >= start if start is not None else np.zeros(len(frame), dtype=bool)
         offline = offline_policy(policy, sink)
         recall = _offline_recall(
-            recall_tables, str(checkpoint), str(prompt), offline, int(budget), sink, recent
+            recall_tables,
+            str(checkpoint),
+            str(prompt),
+            offline,
+            int(budget),
+            sink,
+            recent,
+            int(capacity),
         )
         rows.append(
             {
@@ -224,6 +260,7 @@ def closed_loop_summary(
                 "budget": int(budget),
                 "sink_frames": int(sink),
                 "recent_frames": int(recent),
+                "capacity": int(capacity),
                 "frames": len(frame),
                 "evicting_from": pd.NA if start is None else start,
                 "rel_l2_mean": _mean(rel_l2[evicting]),
@@ -238,7 +275,7 @@ def closed_loop_summary(
         )
     summary = pd.DataFrame(rows, columns=[*SUMMARY_COLUMNS, "_order"])
     summary = summary.sort_values(
-        ["checkpoint", "prompt", "_order", "budget", "sink_frames", "recent_frames"]
+        ["checkpoint", "prompt", "_order", "budget", "sink_frames", "recent_frames", "capacity"]
     )
     summary["evicting_from"] = summary["evicting_from"].astype("Int64")
     return summary[SUMMARY_COLUMNS].reset_index(drop=True)

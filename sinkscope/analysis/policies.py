@@ -7,15 +7,28 @@ tokens: the sum over kept key frames of `prob_mass`, averaged over the block's q
 frame has the same T tokens), or the same over kept key tokens of `key_mass`. Keys the captured
 rollout could not see (NaN) are neither kept nor missed: the full cache is what it saw.
 
-Policies, with a budget of B latent frames of keys per query block (its own block included):
-- `window`: the B most recent visible frames (Self-Forcing's rolling window, Rolling Forcing);
+Each policy that the closed loop also runs keeps here what its closed-loop cache would keep, by
+the same rule (`sinkscope.cache_choices`), scored with the full-cache rollout's attention
+instead of its own. Policies, with a budget of B latent frames of keys per query block (its own
+block included):
+- `window`: the B most recent visible frames (Self-Forcing's rolling window; the closed loop's
+  `window`);
 - `sink_window`: the S first visible frames and the B - S most recent ones (StreamingLLM's sinks
-  and window; Deep Forcing's deep sink keeps S about B / 2); S = 0 is `window`;
-- `top_c`: the own block, the R most recent frames before it, and the top C = (B - own - R) x T
-  history tokens ranked by the attention they received from the previous block's queries in the
-  same pass (causal: what a real cache could choose, Deep Forcing's Participative Compression);
-  `top_c_oracle` ranks by the current block's own queries (the upper bound of any token choice).
-  Token ranking needs `key_mass`, so top_c rows exist only for layers with an attention store.
+  and window; the closed loop's `sink_window` and `deep_sink`); S = 0 is `window`;
+- `participative`: Deep Forcing's Participative Compression (the closed loop's `participative`
+  and `deep_forcing`): a cache of `capacity` frames pruned, when a block overflows it, to the
+  sinks, the top C = B - S - R - own tokens by the raw q.k of the buffered queries (the newest
+  R + own frames of query tokens in call order, summed over the layer's heads: `key_logit_mean`
+  times T) and the R recent frames and own block; a token chosen `reuse_cap` times leaves. One
+  choice for all heads. Needs `key_logit_mean` of the passes the buffer holds.
+- `top_c`: the own block, the R most recent frames before it, and up to C = (B - own - R) x T
+  history tokens, each head its own choice: when a block arrives the frames leaving the recent
+  window join the kept history, and more than C are cut to those with the most attention from
+  the previous block's cache-update queries (the closed loop's `top_c`); needs the cache pass;
+  `top_c_oracle` ranks every history token by the current block's own queries at the same pass
+  (the upper bound of any token choice; no closed-loop counterpart).
+Token choices need `key_mass` (and `key_logit_mean`), so their rows exist only for layers with an
+attention store.
 """
 
 from __future__ import annotations
@@ -29,9 +42,12 @@ import xarray as xr
 
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
 from sinkscope.analysis.stats import ROW_KEYS, across_prompts
-from sinkscope.storage import write_text_atomically
+from sinkscope.cache_choices import ParticipativeChoice, TopCChoice, buffered_query_frames
+from sinkscope.storage import decoded_attrs, write_text_atomically
 
-POLICIES = ("window", "sink_window", "top_c", "top_c_oracle")
+POLICIES = ("window", "sink_window", "participative", "top_c", "top_c_oracle")
+# Columns that only some policies have (empty elsewhere).
+OPTIONAL_COLUMNS = ("sink_frames", "recent_frames", "capacity")
 COLUMNS = [
     *ROW_KEYS,
     "query_block",
@@ -40,6 +56,7 @@ COLUMNS = [
     "budget",
     "sink_frames",
     "recent_frames",
+    "capacity",
     "recall",
 ]
 # What a row of a run is, across prompts: the across-prompt summary groups by these.
@@ -101,14 +118,40 @@ def frame_policy_recall(
     return rows
 
 
+def _block_tokens(frames: Sequence[int], t: int) -> np.ndarray:
+    return (np.asarray(frames, dtype=np.int64)[:, None] * t + np.arange(t)).ravel()
+
+
+def _visible(key_mass: np.ndarray, queries: np.ndarray, t: int) -> np.ndarray:
+    """The key frames every query frame of a block saw at every captured (step, head)."""
+    steps, heads = key_mass.shape[:2]
+    seen = ~np.isnan(key_mass[:, :, queries, :].reshape(steps, heads, len(queries), -1, t))
+    return np.flatnonzero(seen.all(axis=(0, 1, 2, 4)))
+
+
+def _token_rows(policy, mass, block, visible, budget, parameter, kept_per_head) -> list[tuple]:
+    """Rows of one block: the recall of the kept tokens (one list per head, or one for all)."""
+    rows = []
+    num_steps, num_heads = mass.shape[:2]
+    for step in range(num_steps):
+        for head in range(num_heads):
+            kept = kept_per_head[head] if isinstance(kept_per_head, list) else kept_per_head
+            recall = float(np.nansum(mass[step, head, kept]))
+            rows.append((step, head, block, visible, policy, budget, parameter, recall))
+    return rows
+
+
 def token_policy_recall(
     key_mass: np.ndarray,
     blocks: np.ndarray,
     frame_seq_length: int,
     budgets: Sequence[int],
     recent_frames: int,
+    cache_step: int | None = None,
 ) -> list[tuple]:
-    """Recall of `top_c` and `top_c_oracle` from key_mass [step, head, query_frame, key_token].
+    """Recall of `top_c` and `top_c_oracle` from key_mass [step, head, query_frame, key_token];
+    `cache_step`: the step of the cache-update pass, by which `top_c` chooses (no `top_c` rows
+    without it).
 
     Returns rows (step, head, query_block, visible_frames, policy, budget, recent_frames, recall).
     """
@@ -116,48 +159,136 @@ def token_policy_recall(
     rows = []
     num_steps, num_heads = key_mass.shape[:2]
     block_frames = _block_frames(blocks)
+    sizes = [len(frames) for frames in block_frames.values()]
+    per_block = max(sizes)
+    choices = {
+        budget: TopCChoice(t, num_heads, budget, recent_frames, per_block)
+        for budget in budgets
+        if budget - per_block - recent_frames >= 0
+    }
     for block, queries in block_frames.items():
         mass = key_mass[:, :, queries, :].mean(axis=2)  # [S, H, N]: NaN where not visible
-        visible = np.flatnonzero(
-            ~np.isnan(mass.reshape(num_steps, num_heads, -1, t)).any(axis=(0, 1, 3))
-        )
+        visible = _visible(key_mass, queries, t)
+        start = int(queries[0]) * t
+        previous = block_frames.get(block - 1)
+        score = None
+        if cache_step is not None and previous is not None:
+            score = key_mass[cache_step][:, previous, :].mean(axis=1)  # [H, N]
+        for budget, choice in choices.items() if cache_step is not None else ():
+            ranked = None  # [H, candidates]: each head's score of its candidates
+            if score is not None:
+                ranked = np.take_along_axis(score.T, choice.candidates(start), axis=0).T
+            choice.compress(start, ranked)
+            if len(visible) == 0:
+                continue
+            window = np.arange(choice.window_start, int(queries[-1] + 1) * t)
+            kept = [np.concatenate([choice.history[:, head], window]) for head in range(num_heads)]
+            rows += _token_rows("top_c", mass, block, len(visible), budget, recent_frames, kept)
         if len(visible) == 0:
             continue
         own = np.intersect1d(queries, visible).tolist()
         before = [f for f in visible if f < queries[0]]
         recent = before[len(before) - recent_frames :] if recent_frames else []
         history = before[: len(before) - len(recent)]
-        fixed = np.concatenate([np.arange(f * t, (f + 1) * t) for f in [*own, *recent]])
-        history_tokens = (
-            np.concatenate([np.arange(f * t, (f + 1) * t) for f in history])
-            if history
-            else np.zeros(0, dtype=np.int64)
-        )
-        previous = block_frames.get(block - 1)
-        causal_score = (
-            key_mass[:, :, previous, :].mean(axis=2)[..., history_tokens]
-            if previous is not None and len(history_tokens)
-            else None
-        )
+        fixed = _block_tokens([*own, *recent], t)
+        history_tokens = _block_tokens(history, t)
         for step in range(num_steps):
             for head in range(num_heads):
                 base = float(mass[step, head, fixed].sum())
                 current = mass[step, head, history_tokens]
-                rankings = [("top_c_oracle", current)]
-                if causal_score is not None:
-                    rankings.append(("top_c", causal_score[step, head]))
-                for policy, score in rankings:
-                    # Stable descending order, so ties keep token order in both rankings.
-                    order = np.argsort(-score, kind="stable")
-                    gained = np.concatenate([[0.0], np.cumsum(current[order])])
-                    for budget in budgets:
-                        tokens = (budget - len(own) - len(recent)) * t
-                        if tokens < 0:
-                            continue
-                        recall = base + gained[min(tokens, len(history_tokens))]
-                        rows.append(
-                            (step, head, block, len(visible), policy, budget, recent_frames, recall)
+                # Stable descending order: ties keep token order.
+                order = np.argsort(-current, kind="stable")
+                gained = np.concatenate([[0.0], np.cumsum(current[order])])
+                for budget in budgets:
+                    tokens = (budget - len(own) - len(recent)) * t
+                    if tokens < 0:
+                        continue
+                    recall = base + gained[min(tokens, len(history_tokens))]
+                    rows.append(
+                        (
+                            step,
+                            head,
+                            block,
+                            len(visible),
+                            "top_c_oracle",
+                            budget,
+                            recent_frames,
+                            recall,
                         )
+                    )
+    return rows
+
+
+def participative_recall(
+    key_mass: np.ndarray,
+    key_logit_mean: np.ndarray,
+    blocks: np.ndarray,
+    frame_seq_length: int,
+    *,
+    passes: Sequence[int],
+    passes_per_block: int,
+    budgets: Sequence[int],
+    sinks: Sequence[int],
+    recent_frames: int,
+    capacity: int,
+    reuse_cap: int,
+) -> list[tuple]:
+    """Recall of `participative` (Participative Compression, one choice for all heads) from
+    key_mass and key_logit_mean [step, head, query_frame, key_token]; `passes`: the pass of a
+    block each step is, of `passes_per_block`. Every budget up to `capacity` and every sink
+    count that leaves room for the recent frames and the own block. None when a prune's
+    buffered queries are of a pass the store lacks.
+
+    Returns rows (step, head, query_block, visible_frames, policy, budget, sink_frames, recall).
+    """
+    t = frame_seq_length
+    block_frames = _block_frames(blocks)
+    sizes = [len(frames) for frames in block_frames.values()]
+    per_block = max(sizes)
+    step_of_pass = {int(p): step for step, p in enumerate(passes)}
+    # Per key token, the summed mean logit over the heads: T times the raw q.k summed over a
+    # query frame's tokens and the heads, up to the positive scale (Deep Forcing's score).
+    head_logits = key_logit_mean.sum(axis=1)  # [S, Q, N]
+    rows = []
+    for budget in budgets:
+        for sink in sinks:
+            if budget > capacity or sink + recent_frames + per_block > budget:
+                continue
+            choice = ParticipativeChoice(
+                frame_seq_length=t,
+                capacity=capacity,
+                budget=budget,
+                sink_frames=sink,
+                recent_frames=recent_frames,
+                frames_per_block=per_block,
+                reuse_cap=reuse_cap,
+                turn_sinks=False,  # the turns move the sinks, not what is kept
+            )
+            kept_by_block = {}
+            for block, queries in block_frames.items():
+                n = len(queries) * t
+                choice.add_queries(n)
+                overflow = choice.overflows(n)
+                choice.append(int(queries[0]) * t, n)
+                if overflow:
+                    count = choice.buffered_queries()
+                    buffered = buffered_query_frames(sizes, block, passes_per_block, count, t)
+                    if any(p not in step_of_pass for _, p, _ in buffered):
+                        return []
+                    score = np.zeros(len(choice.tokens))
+                    for _, p, frame in buffered:
+                        score += head_logits[step_of_pass[p], frame, choice.tokens]
+                    choice.prune(score * t, int(queries[0]))
+                kept_by_block[block] = choice.tokens.copy()
+                choice.add_queries(n * (passes_per_block - 1))
+            for block, queries in block_frames.items():
+                visible = _visible(key_mass, queries, t)
+                if len(visible) == 0:
+                    continue
+                mass = key_mass[:, :, queries, :].mean(axis=2)
+                rows += _token_rows(
+                    "participative", mass, block, len(visible), budget, sink, kept_by_block[block]
+                )
     return rows
 
 
@@ -168,29 +299,50 @@ def policy_table(
     budgets: Sequence[int],
     sinks: Sequence[int],
     recent_frames: int,
+    capacity: int = 21,
+    reuse_cap: int = 7,
 ) -> pd.DataFrame:
     """Recall of every policy and budget for one layer of one run (Contract 5 rows)."""
     blocks = frame_dataset["block"].values
     frame_rows = frame_policy_recall(frame_dataset["prob_mass"].values, blocks, budgets, sinks)
-    table = pd.DataFrame(frame_rows, columns=[*_ROW, "sink_frames", "recall"])
-    table["recent_frames"] = np.nan
+    tables = [pd.DataFrame(frame_rows, columns=[*_ROW, "sink_frames", "recall"])]
     if attention_store is not None:
-        token_rows = token_policy_recall(
-            attention_store["key_mass"].values,
-            blocks,
-            int(attention_store.attrs["frame_seq_length"]),
-            budgets,
-            recent_frames,
-        )
-        tokens = pd.DataFrame(token_rows, columns=[*_ROW, "recent_frames", "recall"])
-        tokens["sink_frames"] = np.nan
-        table = pd.concat([table, tokens], ignore_index=True)
+        key_mass = attention_store["key_mass"].values
+        t = int(attention_store.attrs["frame_seq_length"])
+        kinds = [str(kind) for kind in attention_store["pass_kind"].values]
+        cache_step = kinds.index("cache") if "cache" in kinds else None
+        token_rows = token_policy_recall(key_mass, blocks, t, budgets, recent_frames, cache_step)
+        tables.append(pd.DataFrame(token_rows, columns=[*_ROW, "recent_frames", "recall"]))
+        attrs = decoded_attrs(attention_store)
+        if "key_logit_mean" in attention_store and "passes" in attrs:
+            rows = participative_recall(
+                key_mass,
+                attention_store["key_logit_mean"].values,
+                blocks,
+                t,
+                passes=attrs["passes"],
+                passes_per_block=int(attrs["passes_per_block"]),
+                budgets=budgets,
+                sinks=sinks,
+                recent_frames=recent_frames,
+                capacity=capacity,
+                reuse_cap=reuse_cap,
+            )
+            participative = pd.DataFrame(rows, columns=[*_ROW, "sink_frames", "recall"])
+            participative["recent_frames"] = recent_frames
+            participative["capacity"] = capacity
+            tables.append(participative)
+    # A policy without rows (no budget fits it) adds nothing, nor an object-typed step column.
+    table = pd.concat([part for part in tables if not part.empty] or tables[:1], ignore_index=True)
+    for column in OPTIONAL_COLUMNS:
+        if column not in table:
+            table[column] = np.nan
     table["checkpoint"] = str(frame_dataset["checkpoint"].values)
     table["prompt"] = str(frame_dataset["prompt"].values)
     table["layer"] = int(frame_dataset["layer"].values)
     table["timestep"] = frame_dataset["timestep"].values[table["step"].to_numpy()]
     table["pass_kind"] = frame_dataset["pass_kind"].values[table["step"].to_numpy()]
-    for column in ("sink_frames", "recent_frames"):  # empty where the policy has none
+    for column in OPTIONAL_COLUMNS:  # empty where the policy has none
         table[column] = table[column].astype("Int64")
     return table[COLUMNS]
 
@@ -203,9 +355,12 @@ def write_policies(
     budgets: Sequence[int],
     sinks: Sequence[int],
     recent_frames: int,
+    capacity: int = 21,
+    reuse_cap: int = 7,
 ) -> None:
     """The recall table of one run, written atomically as CSV: every layer of `frame_stores`;
-    top_c rows for the layers that also have one of `attention_stores` (matched by layer)."""
+    token-level rows for the layers that also have one of `attention_stores` (matched by
+    layer)."""
     attention = {}
     for path in attention_stores:
         store = open_attention_store(path)
@@ -220,6 +375,8 @@ def write_policies(
                 budgets=budgets,
                 sinks=sinks,
                 recent_frames=recent_frames,
+                capacity=capacity,
+                reuse_cap=reuse_cap,
             )
         )
     table = pd.concat(tables, ignore_index=True)
@@ -244,8 +401,9 @@ def write_policy_summary(
 
 
 def read_policies(path: str | os.PathLike) -> pd.DataFrame:
-    """A recall table (Contract 5) as written: integer columns stay integers, empty stays NA."""
+    """A recall table (Contract 5) as written: integer columns stay integers, empty stays NA (a
+    table written before `capacity` existed gets it, empty)."""
     table = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    for column in ("sink_frames", "recent_frames"):
-        table[column] = table[column].astype("Int64")
+    for column in OPTIONAL_COLUMNS:
+        table[column] = (table[column] if column in table else pd.NA).astype("Int64")
     return table

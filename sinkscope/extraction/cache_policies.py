@@ -1,46 +1,70 @@
 """KV-cache policies a rollout can run under: what each layer's cache keeps once the video is
-longer than the cache (the closed loop of Contract 6).
+longer than the cache (the closed loop of Contract 6), each named after the method whose released
+code it runs (docs/DESIGN.md, Contract 6, says what is identical and what differs).
 
-Budgets count latent frames of keys per query block, its own block included, as the offline
+Budgets B count latent frames of keys per query block, its own block included, as the offline
 recall of `sinkscope.analysis.policies` does, so a closed-loop policy and its recall describe the
-same choice:
+same choice (`sinkscope.cache_choices` decides for both):
 - `full`: every frame (the reference rollout);
-- `window`: the B most recent frames (Self-Forcing's `local_attn_size`);
+- `window`: the B most recent frames (Self-Forcing's `local_attn_size`; Self-Forcing++'s rolling
+  cache);
 - `sink_window`: the S first frames and the B - S most recent (`sink_size`; StreamingLLM,
-  LongLive): sink keys keep the RoPE phase of their own frames;
-- `deep_sink`: the frames of `sink_window`, the sink keys turned in the temporal RoPE axis so the
-  sink frames sit just before the window's oldest frame (Deep Forcing's Deep Sink);
-- `top_c`: the own block, the R frames before it and the C = (B - own - R) x T history tokens that
-  received the most attention from the previous block's cache-update queries, chosen per head
-  (Deep Forcing's Participative Compression; the offline `top_c`).
+  LongLive's cache with B = 12, S = 3): sink keys keep the RoPE phase of their own frames;
+- `deep_sink`: the frames of `sink_window`, the sink keys turned in the temporal RoPE axis as
+  Deep Forcing's Deep Sink does (`caches.DeepSinkKVCache`);
+- `participative`: Deep Forcing's Participative Compression, a cache of `capacity` frames pruned
+  to B when a block overflows it, the sinks kept at their own positions;
+- `deep_forcing`: Participative Compression with Deep Sink under it, Deep Forcing's default
+  (`caches.ParticipativeKVCache`);
+- `top_c`: sinkscope's variant after the paper's wording: the own block, the R frames before it
+  and the C = (B - own - R) x T history tokens that received the most attention from the
+  previous block's cache-update queries, chosen per head (`caches.TopCKVCache`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from sinkscope.wan.model import KVCache
-from sinkscope.wan.rope import rotate_frames
+from sinkscope.cache_choices import ParticipativeChoice, TopCChoice
 
-from .capture import CPU_SOFTMAX_ROWS, softmax_reductions
+from .caches import TURNS, DeepSinkKVCache, ParticipativeKVCache, TopCKVCache
 
-POLICY_NAMES = ("full", "window", "sink_window", "deep_sink", "top_c")
+POLICY_NAMES = (
+    "full",
+    "window",
+    "sink_window",
+    "deep_sink",
+    "participative",
+    "deep_forcing",
+    "top_c",
+)
 # Policies whose caches hold whole frames: attention inside their rollouts can be captured.
 FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink")
+# Participative Compression, with its sinks kept (participative) or turned (deep_forcing).
+PARTICIPATIVE = ("participative", "deep_forcing")
+# Policies that keep S sink frames, and those among them that turn their keys.
+SINK_POLICIES = ("sink_window", "deep_sink", *PARTICIPATIVE)
+TURNING = ("deep_sink", "deep_forcing")
+# Policies that keep R recent frames before the own block.
+RECENT_POLICIES = (*PARTICIPATIVE, "top_c")
 
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """One KV-cache policy: its name, budget B (frames, own block included), sink frames S
-    (`sink_window`, `deep_sink`) and recent frames R (`top_c`)."""
+    """One KV-cache policy: its name, budget B (frames, own block included), sink frames S,
+    recent frames R before the own block, and for Participative Compression the cache's
+    `capacity` (frames held before a prune, Deep Forcing's 21) and the `reuse_cap` (a token
+    chosen that often leaves; 0: never); `turn` says how sink keys turn (`caches.TURNS`)."""
 
     name: str
     budget: int = 0
     sink_frames: int = 0
     recent_frames: int = 0
+    capacity: int = 0
+    reuse_cap: int = 7
+    turn: str = "delta"
 
     def check(self, frames_per_block: int) -> None:
         """Refuse a policy its cache cannot run, naming the numbers."""
@@ -48,14 +72,28 @@ class CachePolicy:
             raise ValueError(f"cache policy {self.name!r} is not one of {POLICY_NAMES}")
         if self.name == "full":
             return
+        if self.turn not in TURNS:
+            raise ValueError(f"{self.name}: turn {self.turn!r} is not one of {TURNS}")
         room = self.budget - frames_per_block
-        kept = {"sink_window": self.sink_frames, "deep_sink": self.sink_frames}
-        kept["top_c"] = self.recent_frames
-        if room < kept.get(self.name, 0):
+        kept = (self.sink_frames if self.name in SINK_POLICIES else 0) + (
+            self.recent_frames if self.name in RECENT_POLICIES else 0
+        )
+        if room < kept:
             raise ValueError(
                 f"{self.name}: a budget of {self.budget} frames leaves {room} beside the own block "
-                f"of {frames_per_block}, fewer than the {kept.get(self.name, 0)} it must keep"
+                f"of {frames_per_block}, fewer than the {kept} it must keep"
             )
+        if self.name in PARTICIPATIVE and self.capacity < self.budget:
+            raise ValueError(
+                f"{self.name}: a cache of {self.capacity} frames cannot be pruned to a budget of "
+                f"{self.budget}"
+            )
+
+    @property
+    def cache_frames(self) -> int:
+        """Frames the cache holds before it first drops a key: the capacity of Participative
+        Compression, the budget otherwise."""
+        return self.capacity if self.name in PARTICIPATIVE else self.budget
 
     @property
     def window(self) -> tuple[int, int]:
@@ -68,12 +106,17 @@ class CachePolicy:
 
     @property
     def label(self) -> str:
-        """What plots and logs call it: `deep_sink B=9 S=3`."""
+        """What plots and logs call it: `deep_sink B=9 S=3`, `deep_forcing B=9 S=3 R=1 L=21`."""
         if self.name == "full":
             return "full cache"
-        extra = {"sink_window": "S", "deep_sink": "S", "top_c": "R"}.get(self.name)
-        value = self.recent_frames if self.name == "top_c" else self.sink_frames
-        return f"{self.name} B={self.budget}" + (f" {extra}={value}" if extra else "")
+        label = f"{self.name} B={self.budget}"
+        if self.name in SINK_POLICIES:
+            label += f" S={self.sink_frames}"
+        if self.name in RECENT_POLICIES:
+            label += f" R={self.recent_frames}"
+        if self.name in PARTICIPATIVE:
+            label += f" L={self.capacity}"
+        return label
 
     def new_caches(
         self,
@@ -84,9 +127,12 @@ class CachePolicy:
         frames_per_block: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        token_grid: tuple[int, int] | None = None,
     ) -> list:
-        """One cache per layer of `model` that keeps what this policy keeps."""
+        """One cache per layer of `model` that keeps what this policy keeps. `token_grid`: the
+        (height, width) of a frame in tokens, needed to re-apply RoPE to sinks (`turn` rerope)."""
         self.check(frames_per_block)
+        device = torch.device(device)
         common = {"frame_seq_length": frame_seq_length, "device": device, "dtype": dtype}
         if self.name in ("full", "window", "sink_window"):
             local_attn_size, sink_size = self.window
@@ -107,174 +153,49 @@ class CachePolicy:
                     frame_seq_length,
                     self.budget,
                     self.sink_frames,
-                    torch.device(device),
+                    device,
                     dtype,
+                    turn=self.turn,
+                    token_grid=token_grid,
                 )
                 for _ in range(cfg.num_layers)
             ]
-        history = (self.budget - frames_per_block - self.recent_frames) * frame_seq_length
+        if self.name in PARTICIPATIVE:
+            return [
+                ParticipativeKVCache(
+                    ParticipativeChoice(
+                        frame_seq_length=frame_seq_length,
+                        capacity=self.capacity,
+                        budget=self.budget,
+                        sink_frames=self.sink_frames,
+                        recent_frames=self.recent_frames,
+                        frames_per_block=frames_per_block,
+                        reuse_cap=self.reuse_cap,
+                        turn_sinks=self.name == "deep_forcing",
+                    ),
+                    num_frames=num_frames,
+                    num_heads=cfg.num_heads,
+                    head_dim=cfg.head_dim,
+                    device=device,
+                    dtype=dtype,
+                    turn=self.turn,
+                    token_grid=token_grid,
+                )
+                for _ in range(cfg.num_layers)
+            ]
         return [
             TopCKVCache(
-                num_heads=cfg.num_heads,
+                TopCChoice(
+                    frame_seq_length=frame_seq_length,
+                    num_heads=cfg.num_heads,
+                    budget=self.budget,
+                    recent_frames=self.recent_frames,
+                    frames_per_block=frames_per_block,
+                ),
                 head_dim=cfg.head_dim,
-                frame_seq_length=frame_seq_length,
                 window_frames=self.recent_frames + frames_per_block,
-                recent_frames=self.recent_frames,
-                history_tokens=history,
-                device=torch.device(device),
+                device=device,
                 dtype=dtype,
             )
             for _ in range(cfg.num_layers)
         ]
-
-
-class DeepSinkKVCache(KVCache):
-    """Self-Forcing's rolling cache with sink frames, the sinks' keys moved in time.
-
-    Keys are cached post-RoPE, so moving the S sink frames to positions (w - S, ..., w - 1), w the
-    window's oldest frame, is a turn of their temporal channels by w - S frames. The turn is taken
-    from the sinks' keys at their own positions each time the window moves, so nothing drifts.
-    `slot_token` keeps the sinks' own frames: they are still frames 0..S-1 of the video.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sink_keys: torch.Tensor | None = None  # the sinks' keys at their own positions
-        self.sink_shift = 0
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, current_start: int):
-        visible = super().update(k, v, current_start)
-        sinks = self.sink_tokens
-        if sinks and self.local_end > sinks:
-            oldest = int(self.slot_token[sinks]) // self.frame_seq_length
-            shift = oldest - sinks // self.frame_seq_length
-            if shift != self.sink_shift:
-                # The cache only rolls once every sink frame is final (its block's cache pass).
-                if self.sink_keys is None:
-                    self.sink_keys = self.k[:, :sinks].clone()
-                self.k[:, :sinks] = rotate_frames(self.sink_keys, shift)
-                self.sink_shift = shift
-        return visible
-
-
-class TopCKVCache:
-    """Participative Compression: [top-C history tokens | R recent frames | own block], per head.
-
-    The window (recent frames and the own block) is a contiguous run of tokens. When a new block
-    arrives, the frames that leave the window join the kept history tokens as candidates; if more
-    than C remain, each head keeps the C that received the most attention (mean softmax
-    probability over the queries) in the previous block's cache-update pass, the last call before
-    the new block: causal, as a real cache must choose. Kept tokens stay in time order, so with C
-    at least the whole history the cache is the full cache, slot for slot.
-
-    `scoring` (set by `begin_pass`: the cache-update pass) says whether `observe` records that
-    attention.
-    `update` returns key tokens [M, heads]: each head has its own.
-    """
-
-    def __init__(
-        self,
-        *,
-        num_heads: int,
-        head_dim: int,
-        frame_seq_length: int,
-        window_frames: int,
-        recent_frames: int,
-        history_tokens: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
-        self.frame_seq_length = frame_seq_length
-        self.recent_tokens = recent_frames * frame_seq_length
-        self.history_tokens = history_tokens
-        self.scale = 1.0 / math.sqrt(head_dim)
-        window = window_frames * frame_seq_length
-        self.window_k = torch.zeros(1, window, num_heads, head_dim, device=device, dtype=dtype)
-        self.window_v = torch.zeros_like(self.window_k)
-        self.window_start = 0  # absolute token of window slot 0
-        self.global_end = 0
-        self.history_k = self.window_k[:, :0]
-        self.history_v = self.window_v[:, :0]
-        self.history_token = torch.zeros((0, num_heads), dtype=torch.long, device=device)
-        self.scoring = False
-        self.score: torch.Tensor | None = None  # [heads, visible] of the last scored call
-
-    @property
-    def num_heads(self) -> int:
-        return self.window_k.shape[2]
-
-    def _compress(self, new_window_start: int) -> None:
-        """Move the tokens before `new_window_start` out of the window into the history."""
-        leaving = new_window_start - self.window_start
-        if leaving <= 0:
-            return
-        heads = self.num_heads
-        kept = self.history_token.shape[0]
-        cand_k = torch.cat([self.history_k, self.window_k[:, :leaving]], dim=1)
-        cand_v = torch.cat([self.history_v, self.window_v[:, :leaving]], dim=1)
-        tokens = torch.arange(self.window_start, new_window_start, device=cand_k.device)
-        cand_token = torch.cat([self.history_token, tokens[:, None].expand(-1, heads)])
-        if cand_token.shape[0] > self.history_tokens:
-            if self.score is None or self.score.shape[1] < kept + leaving:
-                raise RuntimeError(
-                    "top_c must choose history tokens but saw no attention of the previous "
-                    "block's cache-update pass"
-                )
-            # Candidates are the first kept + leaving keys the previous cache pass saw.
-            score = self.score[:, : kept + leaving]
-            choice = score.topk(self.history_tokens, dim=1).indices.sort(dim=1).values.T
-        else:
-            choice = torch.arange(cand_token.shape[0], device=cand_k.device)[:, None]
-            choice = choice.expand(-1, heads)
-        index = choice[None, :, :, None].expand(1, -1, heads, cand_k.shape[-1])
-        self.history_k = torch.gather(cand_k, 1, index)
-        self.history_v = torch.gather(cand_v, 1, index)
-        self.history_token = torch.gather(cand_token, 0, choice)
-        filled = self.global_end - self.window_start
-        self.window_k[:, : filled - leaving] = self.window_k[:, leaving:filled].clone()
-        self.window_v[:, : filled - leaving] = self.window_v[:, leaving:filled].clone()
-        self.window_start = new_window_start
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, current_start: int):
-        """Write k, v of tokens [current_start, current_start + n); returns the visible keys,
-        values and each head's key tokens [M, heads]."""
-        n = k.shape[1]
-        current_end = current_start + n
-        if current_end > self.global_end:
-            self._compress(max(self.window_start, current_start - self.recent_tokens))
-            self.score = None
-        offset = current_start - self.window_start
-        if offset < 0 or offset + n > self.window_k.shape[1]:
-            raise RuntimeError(
-                f"top_c window of {self.window_k.shape[1]} tokens cannot hold tokens "
-                f"{current_start}..{current_end - 1}"
-            )
-        self.window_k[:, offset : offset + n] = k
-        self.window_v[:, offset : offset + n] = v
-        self.global_end = max(self.global_end, current_end)
-        filled = self.global_end - self.window_start
-        window_token = torch.arange(self.window_start, self.global_end, device=k.device)
-        return (
-            torch.cat([self.history_k, self.window_k[:, :filled]], dim=1),
-            torch.cat([self.history_v, self.window_v[:, :filled]], dim=1),
-            torch.cat([self.history_token, window_token[:, None].expand(-1, self.num_heads)]),
-        )
-
-    def begin_pass(self, kind: str) -> None:
-        # top_c chooses by the attention of each block's cache-update pass.
-        self.scoring = kind == "cache"
-
-    def observe(self, q: torch.Tensor) -> None:
-        """In a scoring pass, record each visible key's mean attention over the queries q."""
-        if not self.scoring:
-            return
-        keys = torch.cat(
-            [self.history_k, self.window_k[:, : self.global_end - self.window_start]], dim=1
-        )
-        rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None  # as the survey's capture
-        self.score = torch.stack(
-            [
-                softmax_reductions(q[0, :, head], keys[0, :, head], self.scale, rows)[0]
-                for head in range(self.num_heads)
-            ]
-        )

@@ -5,8 +5,10 @@ frame and one head at a time (T x visible keys), so the full matrix never exists
 token store (Contract 1) each such tile is queued to the store as float16. For an attention store
 (Contract 4) the tile's exact softmax (fp32, shifted by each row's max) is reduced on the job's
 device to what the frame-level questions need: the mean probability of every key token over the
-query frame's rows (`key_mass`) and the mean row entropy. Both record frame-level mean logits from
-mean-pooled q and k, which need no token pairs at all.
+query frame's rows (`key_mass`), the mean row entropy, and each key token's mean logit over the
+rows (`key_logit_mean`, from the frame's mean query: what a raw q.k score, Deep Forcing's
+Participative Compression, ranks by). Both record frame-level mean logits from mean-pooled q and
+k, which need no token pairs at all.
 """
 
 from __future__ import annotations
@@ -141,6 +143,14 @@ class LogitCapture:
                 mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows)
                 key_mass[head, frame] = mass
                 entropy[head, frame] = row_entropy.mean()
+        # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit.
+        q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1)
+        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k_sorted.double()) * self.scale
         writer.write_block(
-            self.step, first_frame, key_frames, key_mass.cpu().numpy(), entropy.cpu().numpy()
+            self.step,
+            first_frame,
+            key_frames,
+            key_mass.cpu().numpy(),
+            entropy.cpu().numpy(),
+            key_logit_mean.float().cpu().numpy(),
         )

@@ -47,6 +47,9 @@ def policy_of(settings: dict) -> CachePolicy:
         budget=entry.get("budget", 0),
         sink_frames=entry.get("sink_frames", 0),
         recent_frames=entry.get("recent_frames", 0),
+        capacity=entry.get("capacity", 0),
+        reuse_cap=entry.get("reuse_cap", 7),
+        turn=entry.get("turn", "delta"),
     )
 
 
@@ -110,6 +113,7 @@ def deviation_csv(
                 policy.budget,
                 policy.sink_frames,
                 policy.recent_frames,
+                policy.cache_frames,
                 frame,
                 block,
                 repr(l2),
@@ -158,6 +162,87 @@ def closed_loop(
     settings: `sinkscope.workflow.params.closed_loop_settings` (the extraction settings at the
     closed loop's length, with `policy`).
     """
+    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+        _roll_out(
+            job,
+            checkpoint_name,
+            prompt_name,
+            settings,
+            latents_path,
+            reference,
+            deviation_path,
+            layers,
+            stores,
+            progress,
+        )
+    log.info("closed loop done: %s", latents_path)
+
+
+def closed_loops(
+    *,
+    checkpoint_name: str,
+    prompt_name: str,
+    prompt_embeddings: str | Path,
+    settings: dict[str, dict],
+    latents: Sequence[str | Path],
+    deviations: Sequence[str | Path],
+    stores: Sequence[str | Path] = (),
+    layers: Sequence[int] = (),
+    progress: bool = True,
+) -> None:
+    """The closed loop of one (checkpoint, prompt) in one job, the model loaded once: the
+    full-cache reference, then every policy against it. `settings`: each rollout's settings by
+    policy, `full` first (`sinkscope.workflow.params.closed_loop_settings`); `latents`: a file
+    per rollout, in that order; `deviations`: a table per policy, in that order, none for
+    `full`; `stores`: `layers` attention stores per rollout that can be captured (`full` and the
+    frame-level policies), rollout by rollout in that order, layer by layer."""
+    names = list(settings)
+    if names[:1] != ["full"]:
+        raise ValueError(
+            f"the closed loop of a run starts with its full-cache reference, not {names}"
+        )
+    captured = [name for name in names if name in FRAME_POLICIES]
+    expected = (len(names), len(names) - 1, len(captured) * len(layers))
+    if (len(latents), len(deviations), len(stores)) != expected:
+        raise ValueError(
+            f"rollouts {names} (captured: {captured}, layers {list(layers)}) need "
+            f"{expected[0]} latents, {expected[1]} deviation tables and {expected[2]} stores; "
+            f"got {len(latents)}, {len(deviations)} and {len(stores)}"
+        )
+    store_of = {
+        name: list(stores[i * len(layers) : (i + 1) * len(layers)])
+        for i, name in enumerate(captured)
+    }
+    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings["full"]) as job:
+        for index, name in enumerate(names):
+            _roll_out(
+                job,
+                checkpoint_name,
+                prompt_name,
+                settings[name],
+                latents[index],
+                latents[0] if index else None,
+                deviations[index - 1] if index else None,
+                layers if name in captured else (),
+                store_of.get(name, ()),
+                progress,
+            )
+            log.info("closed loop done: %s", latents[index])
+
+
+def _roll_out(
+    job,
+    checkpoint_name: str,
+    prompt_name: str,
+    settings: dict,
+    latents_path: str | Path,
+    reference: str | Path | None,
+    deviation_path: str | Path | None,
+    layers: Sequence[int],
+    stores: Sequence[str | Path],
+    progress: bool,
+) -> None:
+    """One rollout of a loaded job under `settings["policy"]` (`closed_loop`)."""
     policy = policy_of(settings)
     plan = _cache_plan(RolloutPlan.from_settings(settings), policy)
     geometry = plan.geometry
@@ -172,70 +257,69 @@ def closed_loop(
         raise ValueError(
             f"{policy.name} keeps tokens, not frames: attention in its rollout cannot be captured"
         )
-    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
-        model, text, device, dtype = job.model, job.text, job.device, job.dtype
-        cfg = model.config
-        frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
-        provenance = {
-            **job.provenance,
-            "num_frames": geometry.num_frames,
-            "sampler": settings["sampler"],
-            "video": settings["video"],
-            "policy": settings["policy"],
-        }
-        caches = policy.new_caches(
-            model,
-            num_frames=geometry.num_frames,
-            frame_seq_length=frame_seq_length,
-            frames_per_block=geometry.frames_per_block,
-            device=device,
-            dtype=dtype,
-        )
-        with contextlib.ExitStack() as stack:
-            capture = None
-            if layers:
-                attrs = {**provenance, "config": settings}
-                writers = plan_stores(cfg, plan, layers, stores, attrs, stack, "attention")
-                by_layer = dict(zip(layers, writers, strict=True))
-                capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)
-                model.set_capture(capture, capture.layers)
+    model, text, device, dtype = job.model, job.text, job.device, job.dtype
+    cfg = model.config
+    frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
+    provenance = {
+        **job.provenance,
+        "num_frames": geometry.num_frames,
+        "sampler": settings["sampler"],
+        "video": settings["video"],
+        "policy": settings["policy"],
+    }
+    caches = policy.new_caches(
+        model,
+        num_frames=geometry.num_frames,
+        frame_seq_length=frame_seq_length,
+        frames_per_block=geometry.frames_per_block,
+        device=device,
+        dtype=dtype,
+        token_grid=cfg.token_grid(geometry.latent_height, geometry.latent_width),
+    )
+    with contextlib.ExitStack() as stack:
+        capture = None
+        if layers:
+            attrs = {**provenance, "config": settings}
+            writers = plan_stores(cfg, plan, layers, stores, attrs, stack, "attention")
+            by_layer = dict(zip(layers, writers, strict=True))
+            capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)
+            model.set_capture(capture, capture.layers)
 
-            log.info(
-                "closed loop: %s, %d latent frames (%d blocks) of %s / %s",
-                policy.label,
-                geometry.num_frames,
-                len(geometry.block_sizes),
-                checkpoint_name,
-                prompt_name,
+        log.info(
+            "closed loop: %s, %d latent frames (%d blocks) of %s / %s",
+            policy.label,
+            geometry.num_frames,
+            len(geometry.block_sizes),
+            checkpoint_name,
+            prompt_name,
+        )
+        try:
+            latents = rollout(
+                model,
+                text[None],
+                geometry=geometry,
+                schedule=plan.schedule,
+                seed=plan.seed,
+                device=device,
+                dtype=dtype,
+                on_pass=capture.begin_pass if capture is not None else None,
+                progress=progress,
+                caches=caches,
+            )[0]
+        finally:
+            model.set_capture(None)
+        provenance["shape"] = list(latents.shape)
+        if reference is not None:
+            reference_latents, theirs = load_latents(reference)
+            _check_reference(reference, latents, provenance, theirs)
+            table = deviation_csv(
+                latents,
+                reference_latents,
+                checkpoint=checkpoint_name,
+                prompt=prompt_name,
+                policy=policy,
+                frames_per_block=geometry.frames_per_block,
+                independent_first_frame=geometry.independent_first_frame,
             )
-            try:
-                latents = rollout(
-                    model,
-                    text[None],
-                    geometry=geometry,
-                    schedule=plan.schedule,
-                    seed=plan.seed,
-                    device=device,
-                    dtype=dtype,
-                    on_pass=capture.begin_pass if capture is not None else None,
-                    progress=progress,
-                    caches=caches,
-                )[0]
-            finally:
-                model.set_capture(None)
-            provenance["shape"] = list(latents.shape)
-            if reference is not None:
-                reference_latents, theirs = load_latents(reference)
-                _check_reference(reference, latents, provenance, theirs)
-                table = deviation_csv(
-                    latents,
-                    reference_latents,
-                    checkpoint=checkpoint_name,
-                    prompt=prompt_name,
-                    policy=policy,
-                    frames_per_block=geometry.frames_per_block,
-                    independent_first_frame=geometry.independent_first_frame,
-                )
-                write_text_atomically(deviation_path, table)
-            save_latents(latents_path, latents, provenance)
-    log.info("closed loop done: %s", latents_path)
+            write_text_atomically(deviation_path, table)
+        save_latents(latents_path, latents, provenance)

@@ -203,6 +203,10 @@ def plan_stores(
         "num_frames": geometry.num_frames,
         "block_sizes": geometry.block_sizes,
         "timesteps": plan.timesteps,
+        # Which pass of a block each step is, of how many (Participative Compression's offline
+        # choice walks back through a block's calls).
+        "passes": plan.passes,
+        "passes_per_block": len(plan.schedule.pass_timesteps()),
         "local_attn_size": plan.local_attn_size,
         "sink_size": plan.sink_size,
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),

@@ -344,13 +344,15 @@ class TokenStoreWriter(_StoreWriter):
 
 class AttentionStoreWriter(_StoreWriter):
     """Writes one layer's attention store (docs/DESIGN.md, Contract 4): per pass, head and query
-    frame the mean softmax probability of every key token (`key_mass`) and the mean row entropy.
+    frame the mean softmax probability of every key token (`key_mass`), its mean logit
+    (`key_logit_mean`) and the mean row entropy.
 
-    `key_mass` is chunked (1, heads, frames_per_block, N), so one pass call of one block is one
-    whole chunk, queued to the background thread; `entropy` is small and written at close.
+    `key_mass` and `key_logit_mean` are chunked (1, heads, frames_per_block, N), so one pass call
+    of one block is one whole chunk of each, queued to the background thread; `entropy` is small
+    and written at close.
     """
 
-    what = "float32 key mass"
+    what = "float32 key mass and mean logits"
 
     def __init__(self, path: str | Path, *, frames_per_block: int, **kw):
         self.frames_per_block = frames_per_block
@@ -360,18 +362,21 @@ class AttentionStoreWriter(_StoreWriter):
         )
 
     def _create_arrays(self, group: zarr.Group) -> None:
-        self.key_mass = group.create_array(
-            "key_mass",
-            shape=(self.num_steps, self.num_heads, self.num_frames, self.num_tokens),
-            chunks=(1, self.num_heads, self.frames_per_block, self.num_tokens),
-            compressors=key_mass_compressors(),
-            dtype="float32",
-            fill_value=np.nan,
-            dimension_names=KEY_MASS_DIMS,
-            attributes={
-                **VARIABLE_ATTRS["key_mass"],
-                "coordinates": "timestep pass_kind key_frame",
-            },
+        self.key_mass, self.key_logit_mean = (
+            group.create_array(
+                name,
+                shape=(self.num_steps, self.num_heads, self.num_frames, self.num_tokens),
+                chunks=(1, self.num_heads, self.frames_per_block, self.num_tokens),
+                compressors=key_mass_compressors(),
+                dtype="float32",
+                fill_value=np.nan,
+                dimension_names=KEY_MASS_DIMS,
+                attributes={
+                    **VARIABLE_ATTRS[name],
+                    "coordinates": "timestep pass_kind key_frame",
+                },
+            )
+            for name in ("key_mass", "key_logit_mean")
         )
 
     def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
@@ -381,10 +386,13 @@ class AttentionStoreWriter(_StoreWriter):
             ("key_frame", ("key_token",), token_frame),
         ]
 
-    def _write(self, step: int, first_query_frame: int, rows: np.ndarray) -> int:
-        queries = slice(first_query_frame, first_query_frame + rows.shape[2])
-        self.key_mass[step : step + 1, :, queries, :] = rows
-        return rows.nbytes
+    def _write(
+        self, step: int, first_query_frame: int, mass: np.ndarray, logits: np.ndarray
+    ) -> int:
+        queries = slice(first_query_frame, first_query_frame + mass.shape[2])
+        self.key_mass[step : step + 1, :, queries, :] = mass
+        self.key_logit_mean[step : step + 1, :, queries, :] = logits
+        return mass.nbytes + logits.nbytes
 
     def write_block(
         self,
@@ -393,19 +401,24 @@ class AttentionStoreWriter(_StoreWriter):
         key_frames: np.ndarray,
         key_mass: np.ndarray,
         entropy: np.ndarray,
+        key_logit_mean: np.ndarray,
     ) -> None:
-        """key_mass [heads, query frames, len(key_frames) * T] against the visible key frames
-        (ascending absolute frames, whole frames) and entropy [heads, query frames] of one pass
-        call; the rows are spread onto all N key tokens (NaN where not visible) and queued."""
+        """key_mass and key_logit_mean [heads, query frames, len(key_frames) * T] against the
+        visible key frames (ascending absolute frames, whole frames) and entropy [heads, query
+        frames] of one pass call; the rows are spread onto all N key tokens (NaN where not
+        visible) and queued."""
         t = self.frame_seq_length
         heads, frames, _ = key_mass.shape
-        rows = np.full((1, heads, frames, self.num_tokens), np.nan, np.float32)
-        for first, stop, offset in key_frame_runs(key_frames):
-            rows[0, :, :, first * t : stop * t] = key_mass[
-                :, :, offset * t : offset * t + (stop - first) * t
-            ]
+        spread = []
+        for values in (key_mass, key_logit_mean):
+            rows = np.full((1, heads, frames, self.num_tokens), np.nan, np.float32)
+            for first, stop, offset in key_frame_runs(key_frames):
+                rows[0, :, :, first * t : stop * t] = values[
+                    :, :, offset * t : offset * t + (stop - first) * t
+                ]
+            spread.append(rows)
         self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
-        self._put((step, first_query_frame, rows))
+        self._put((step, first_query_frame, *spread))
 
     def _finish(self, group: zarr.Group) -> None:
         entropy = group.create_array(

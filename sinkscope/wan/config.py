@@ -109,11 +109,16 @@ class WanConfig:
         values["window_size"] = list(self.window_size)
         return {"_class_name": "WanModel", **values}
 
-    def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
-        """Tokens of one latent frame after patchify (1560 for a 60 x 104 latent)."""
+    def token_grid(self, latent_height: int, latent_width: int) -> tuple[int, int]:
+        """(height, width) in tokens of one latent frame after patchify (30 x 52 for 60 x 104)."""
         _, ph, pw = self.patch_size
         if latent_height % ph or latent_width % pw:
             raise ValueError(
                 f"latent grid {latent_height}x{latent_width} is not divisible by patch {ph}x{pw}"
             )
-        return (latent_height // ph) * (latent_width // pw)
+        return latent_height // ph, latent_width // pw
+
+    def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
+        """Tokens of one latent frame after patchify (1560 for a 60 x 104 latent)."""
+        height, width = self.token_grid(latent_height, latent_width)
+        return height * width

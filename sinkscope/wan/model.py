@@ -46,10 +46,14 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 and cast back, as Wan's WanLayerNorm."""
+    """LayerNorm computed in float32 (the affine weights too, whatever the model's dtype) and
+    cast back, as Wan's WanLayerNorm normalises in float32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.float()).type_as(x)
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        normed = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+        return normed.type_as(x)
 
 
 class KVCache:
@@ -85,10 +89,21 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[1]
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, current_start: int):
-        """Write k, v of tokens [current_start, current_start + n).
+    def update(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        current_start: int,
+        *,
+        q: torch.Tensor | None = None,
+        k_raw: torch.Tensor | None = None,
+    ):
+        """Write k, v [B, n, heads, head_dim] (k after RoPE) of tokens
+        [current_start, current_start + n).
 
-        Returns the visible keys, values and the absolute token of each visible slot."""
+        Returns the visible keys, values and the absolute token of each visible slot. `q` (the
+        call's queries, after RoPE) and `k_raw` (its keys before RoPE) are for caches that choose
+        or move keys (sinkscope.extraction.cache_policies); this one keeps a rolling window."""
         n = k.shape[1]
         current_end = current_start + n
         is_new_block = current_end > self.global_end
@@ -121,10 +136,6 @@ class KVCache:
     def begin_pass(self, kind: str) -> None:
         """Told before every model call of a rollout which kind of pass it is (`denoise` or
         `cache`); caches that choose by the attention of one kind of pass listen."""
-
-    def observe(self, q: torch.Tensor) -> None:
-        """See the queries [B, n, H, D] that attend to what `update` returned; caches that choose
-        what to keep by attention (sinkscope.extraction.cache_policies) record it here."""
 
 
 @dataclass
@@ -168,13 +179,13 @@ class SelfAttention(_Attention):
         angles = rope_angles(self.head_dim, ctx.grid, ctx.start_frame, x.device)
         # RMS norm over the whole width, then RoPE: exactly what the attention kernel sees.
         q = apply_rope(self.norm_q(self.q(x)).view(shape), angles)
-        k = apply_rope(self.norm_k(self.k(x)).view(shape), angles)
+        k_raw = self.norm_k(self.k(x)).view(shape)
+        k = apply_rope(k_raw, angles)
         v = self.v(x).view(shape)
         query_start = ctx.start_frame * ctx.grid[1] * ctx.grid[2]
         if ctx.caches is not None:
             cache = ctx.caches[self.layer_index]
-            k_all, v_all, key_tokens = cache.update(k, v, query_start)
-            cache.observe(q)
+            k_all, v_all, key_tokens = cache.update(k, v, query_start, q=q, k_raw=k_raw)
             mask = None
         else:
             k_all, v_all = k, v

@@ -22,6 +22,7 @@ from sinkscope.wan.layout import (
 )
 
 from .entries import (
+    SINK_POLICIES,
     ConfigError,
     checkpoint_spec,
     closed_loop_policies,
@@ -75,6 +76,8 @@ INTEGER_KEYS = (
     "policies.sinks.*",
     "policies.recent_frames",
     "policies.budget",
+    "policies.capacity",
+    "policies.reuse_cap",
     "closed_loop.num_frames",
     "closed_loop.budget",
     "closed_loop.sink_frames",
@@ -292,7 +295,7 @@ def _check_closed_loop(config: dict) -> None:
             f"closed_loop.budget={budget} is not one of policies.budgets {offline['budgets']}, "
             "so no recall would stand beside its deviation"
         )
-    if {"sink_window", "deep_sink"} & set(names) and loop["sink_frames"] not in offline["sinks"]:
+    if set(SINK_POLICIES) & set(names) and loop["sink_frames"] not in offline["sinks"]:
         raise ConfigError(
             f"closed_loop.sink_frames={loop['sink_frames']} is not one of policies.sinks "
             f"{offline['sinks']}"
@@ -300,12 +303,24 @@ def _check_closed_loop(config: dict) -> None:
     own = config["video"]["frames_per_block"]
     for name in names:
         entry = closed_loop_policy(config, name)
-        kept = entry.get("sink_frames", entry.get("recent_frames", 0))
-        if budget - own < kept:
-            key = "closed_loop.sink_frames" if "sink_frames" in entry else "policies.recent_frames"
+        kept = {
+            key: entry[field]
+            for key, field in (
+                ("closed_loop.sink_frames", "sink_frames"),
+                ("policies.recent_frames", "recent_frames"),
+            )
+            if field in entry
+        }
+        if budget - own < sum(kept.values()):
+            what = " + ".join(f"{key}={value}" for key, value in kept.items())
             raise ConfigError(
                 f"closed_loop.budget={budget} leaves {budget - own} frames beside the own block "
-                f"of {own} (video.frames_per_block), fewer than {key}={kept} of {name}"
+                f"of {own} (video.frames_per_block), fewer than {what} of {name}"
+            )
+        if "capacity" in entry and entry["capacity"] < budget:
+            raise ConfigError(
+                f"policies.capacity={entry['capacity']} is less than closed_loop.budget={budget}: "
+                f"{name} prunes its cache of capacity frames to the budget"
             )
     if loop["num_frames"] < own:
         raise ConfigError(

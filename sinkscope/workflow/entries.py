@@ -101,8 +101,10 @@ def frame_layers(config: dict) -> list[int]:
     return sorted(set(token_layers(config)) | set(survey_layers(config)))
 
 
-# Closed-loop policies whose caches hold whole frames: attention in them can be captured.
+# Closed-loop policies whose caches hold whole frames: attention in them can be captured; the
+# others keep tokens.
 CLOSED_LOOP_FRAME_POLICIES = ("window", "sink_window", "deep_sink")
+CLOSED_LOOP_TOKEN_POLICIES = ("participative", "deep_forcing", "top_c")
 
 
 def closed_loop_policies(config: dict) -> list[str]:
@@ -121,16 +123,29 @@ def closed_loop_runs(config: dict) -> list[tuple[str, str]]:
     return [(c, p) for c, p in runs]
 
 
+# What each closed-loop policy keeps besides its budget (sinkscope.extraction.cache_policies).
+SINK_POLICIES = ("sink_window", "deep_sink", "participative", "deep_forcing")
+RECENT_POLICIES = ("participative", "deep_forcing", "top_c")
+PARTICIPATIVE_POLICIES = ("participative", "deep_forcing")
+TURNING_POLICIES = ("deep_sink", "deep_forcing")
+
+
 def closed_loop_policy(config: dict, name: str) -> dict:
-    """What the closed loop's policy `name` keeps (sinkscope.extraction.cache_policies)."""
+    """What the closed loop's policy `name` keeps (sinkscope.extraction.cache_policies): only the
+    settings it uses, so that changing another policy's reruns nothing of it."""
     if name == "full":
         return {"name": "full"}
     loop, offline = config["closed_loop"], config["policies"]
     entry = {"name": name, "budget": loop.get("budget", offline["budget"])}
-    if name in ("sink_window", "deep_sink"):
+    if name in SINK_POLICIES:
         entry["sink_frames"] = loop["sink_frames"]
-    if name == "top_c":
+    if name in RECENT_POLICIES:
         entry["recent_frames"] = offline["recent_frames"]
+    if name in PARTICIPATIVE_POLICIES:
+        entry["capacity"] = offline["capacity"]
+        entry["reuse_cap"] = offline["reuse_cap"]
+    if name in TURNING_POLICIES:
+        entry["turn"] = loop["sink_turn"]
     return entry
 
 

@@ -43,10 +43,12 @@ class Family:
         return sum(self.jobs.values())
 
 
-def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames=None) -> int:
+def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int:
     """Upper bound of what one job of checkpoint `name` writes: `extract` (one token store),
-    `survey` (`layers` attention stores), `closed_loop` (latents and `layers` attention stores
-    of a rollout of `frames` latent frames)."""
+    `survey` (`layers` attention stores), `closed_loop` (the closed loop of one run: the latents
+    of every rollout of `closed_loop.num_frames` frames, the full cache's and every policy's, and
+    the attention stores of `closed_loop.survey` in the full-cache and frame-level rollouts)."""
+    frames = config["closed_loop"]["num_frames"] if job == "closed_loop" else None
     if job == "extract":
         if not config["capture"]["tokens"]:
             return 0
@@ -67,7 +69,10 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1, frames
         latents = (
             LATENT_CHANNELS * g.num_frames * video["latent_height"] * video["latent_width"] * 4
         )
-        return latents + layers * attention
+        rollouts = ["full", *closed_loop_policies(config)]
+        captured = [p for p in rollouts if p in ("full", *CLOSED_LOOP_FRAME_POLICIES)]
+        stores = len(captured) * len(config["closed_loop"]["survey"])
+        return len(rollouts) * latents + stores * attention
     raise ValueError(f"unknown job kind {job!r}")
 
 
@@ -93,15 +98,8 @@ def storage_plan(config: dict) -> list[Family]:
         for p in prompts:
             attention.jobs[f"survey {c}/{p}"] = per_job
     loop = Family("closed loop", "results/closed_loop")
-    policies = closed_loop_policies(config)
     for c, p in closed_loop_runs(config):
-        frames = config["closed_loop"]["num_frames"]
-        for policy in ["full", *policies]:
-            captured = policy in ("full", *CLOSED_LOOP_FRAME_POLICIES)
-            layers = len(config["closed_loop"]["survey"]) if captured else 0
-            loop.jobs[f"closed_loop {c}/{p}/{policy}"] = job_disk_bytes(
-                config, c, "closed_loop", layers=layers, frames=frames
-            )
+        loop.jobs[f"closed_loop {c}/{p}"] = job_disk_bytes(config, c, "closed_loop")
     exports = Family("exports (snakemake export only)", "results/export")
     exported = export_layers(config)
     for c in checkpoints:
@@ -142,8 +140,10 @@ def format_plan(config: dict) -> str:
     default = [f for f in families if not f.name.startswith("exports")]
     for family in families:
         per_job = max(family.jobs.values())
+        count = len(family.jobs)
+        jobs = "job," if count == 1 else "jobs,"
         lines.append(
-            f"  {family.name:<32} {len(family.jobs):>4} jobs, up to {_size(per_job)} each, "
+            f"  {family.name:<32} {count:>4} {jobs:<5} up to {_size(per_job)} each, "
             f"{_size(family.total)} in {family.folder}/"
         )
     if default:

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from sinkscope.frames import attention_store_bytes, block_sizes, export_bytes, token_store_bytes
 from sinkscope.passes import resolve_passes
 
-from .entries import model_config, sampler_settings, survey_layers, token_passes
+from .entries import (
+    closed_loop_policies,
+    model_config,
+    sampler_settings,
+    survey_layers,
+    token_passes,
+)
 from .params import extraction_gpus, prompt_encoder
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
@@ -132,10 +138,12 @@ def extract_runtime(config: dict, name: str) -> int:
 
 
 def closed_loop_runtime(config: dict, name: str) -> int:
-    """Minutes: setup and one rollout of closed_loop.num_frames (minutes on a GPU) with its
-    captured layers, at most a survey's time per frame."""
+    """Minutes: setup and the closed loop of one run: a rollout of closed_loop.num_frames per
+    policy and one of the full cache (minutes on a GPU) with its captured layers, each at most a
+    survey's time per frame."""
     frames = config["closed_loop"]["num_frames"] / config["video"]["num_frames"]
-    return 2 * EXTRACT_SETUP_MINUTES + math.ceil(frames * survey_runtime(config, name))
+    rollouts = 1 + len(closed_loop_policies(config))
+    return 2 * EXTRACT_SETUP_MINUTES + rollouts * math.ceil(frames * survey_runtime(config, name))
 
 
 def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:

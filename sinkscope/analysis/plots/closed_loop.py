@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from sinkscope.analysis.closed_loop import OFFLINE_POLICY, evicting_frame, policy_label
+from sinkscope.analysis.closed_loop import OFFLINE_POLICY, RUN_KEYS, evicting_frame, policy_label
 
 from .common import COLUMN_WIDTH_IN, FULL_WIDTH_IN, legend_handles, panel_grid, styled
 
@@ -25,30 +25,53 @@ CLOSED_LOOP_TITLE = "Closed loop: latent deviation from the full-cache rollout"
 CLOSED_LOOP_L2_LABEL = "Relative L2 to the full-cache rollout"
 CLOSED_LOOP_MEAN_LABEL = "Mean relative L2 from the first eviction on"
 CLOSED_LOOP_RECALL_LABEL = "Offline recall where the policy drops keys"
-CLOSED_LOOP_COLORS = {  # the families of plot_policy_recall: window black, sinks blue, top-C orange
+# The families of plot_policy_recall: window black, sinks blue (turned: purple), Participative
+# Compression green (with Deep Sink: dark green), top-C orange.
+CLOSED_LOOP_COLORS = {
     "window": "black",
     "sink_window": "#2171b5",
     "deep_sink": "#6a3d9a",
+    "participative": "#41ab5d",
+    "deep_forcing": "#006d2c",
     "top_c": "#d95f02",
 }
-CLOSED_LOOP_MARKERS = {"window": "o", "sink_window": "s", "deep_sink": "D", "top_c": "^"}
+CLOSED_LOOP_MARKERS = {
+    "window": "o",
+    "sink_window": "s",
+    "deep_sink": "D",
+    "participative": "v",
+    "deep_forcing": "P",
+    "top_c": "^",
+}
 CLOSED_LOOP_LOG_DECADES = 1.0  # a log axis when the non-zero values span more than this
 EVICTION_STYLE = {"color": "0.45", "linewidth": 0.6, "linestyle": "--"}
 TRAINING_STYLE = {"color": "0.45", "linewidth": 0.8, "linestyle": ":"}
 NOTE_WIDTH = 70  # characters per line of a note under a figure one column wide
 MARKED_BLOCKS = 16  # the deviation lines mark the first frame of at most this many blocks
+POLICY_KEYS = RUN_KEYS[2:]  # what tells the policies of one run apart
 
 
-def _closed_loop_policies(table: pd.DataFrame) -> list[tuple[str, int, int, int]]:
-    """(policy, budget, sink_frames, recent_frames) of every closed-loop policy of `table`, in the
-    order window, sink_window, deep_sink, top_c, then by budget, S and R."""
+def _closed_loop_policies(table: pd.DataFrame) -> list[tuple[str, int, int, int, int]]:
+    """(policy, budget, sink_frames, recent_frames, capacity) of every closed-loop policy of
+    `table`, in the order of `OFFLINE_POLICY` (window, sink_window, deep_sink, participative,
+    deep_forcing, top_c), then by budget, S, R and capacity."""
     order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
-    columns = table[["policy", "budget", "sink_frames", "recent_frames"]]
-    keys = {(str(p), int(b), int(s), int(r)) for p, b, s, r in columns.itertuples(index=False)}
+    keys = {
+        (str(policy), *(int(value) for value in values))
+        for policy, *values in table[POLICY_KEYS].itertuples(index=False)
+    }
     return sorted(keys, key=lambda key: (order.get(key[0], len(order)), *key[1:]))
 
 
-def _closed_loop_styles(keys: Sequence[tuple[str, int, int, int]]) -> dict[tuple, dict]:
+def _rows_of(table: pd.DataFrame, key: tuple) -> pd.DataFrame:
+    """The rows of one closed-loop policy (`_closed_loop_policies`) in `table`."""
+    mask = np.ones(len(table), dtype=bool)
+    for column, value in zip(POLICY_KEYS, key, strict=True):
+        mask &= (table[column] == value).to_numpy()
+    return table[mask]
+
+
+def _closed_loop_styles(keys: Sequence[tuple]) -> dict[tuple, dict]:
     """Colour and marker by policy (`CLOSED_LOOP_COLORS`, `CLOSED_LOOP_MARKERS`); several budgets
     or S of one policy get lighter shades and new dashes."""
     dashes = ["-", "--", "-.", ":"]
@@ -66,7 +89,7 @@ def _closed_loop_styles(keys: Sequence[tuple[str, int, int, int]]) -> dict[tuple
     return styles
 
 
-def _closed_loop_label(key: tuple[str, int, int, int]) -> str:
+def _closed_loop_label(key: tuple) -> str:
     return policy_label(*key)
 
 
@@ -124,8 +147,9 @@ def plot_closed_loop_deviation(
 ) -> Figure:
     """Relative L2 of each latent frame to the full-cache rollout (the stacked deviation tables of
     Contract 6, `read_deviation`): one panel per (checkpoint, prompt), one line per
-    policy, a dashed line at the first frame each budget evicts keys for, a dotted one at the
-    training length `train_frames`. The y axis is logarithmic when the non-zero values span more
+    policy, a dashed line at the first frame each cache size (the budget, or Participative
+    Compression's capacity) evicts keys for, a dotted one at the training length
+    `train_frames`. The y axis is logarithmic when the non-zero values span more
     than a decade; the exact zeros (frames before the first eviction) are then left out. Without
     `titles` a single run's panel is not named (the caption names it)."""
     runs = closed_loop_runs(table, "deviation table")
@@ -140,18 +164,13 @@ def plot_closed_loop_deviation(
         figsize=(FULL_WIDTH_IN, 1.9 * nrows + 0.75 + 0.12 * legend_rows), layout="constrained"
     )
     axes = panel_grid(fig, len(runs), ncols, sharex=True, sharey=True)
-    evictions: dict[int, set[int]] = {}  # budget -> its first evicting frames in every panel
+    evictions: dict[int, set[int]] = {}  # capacity -> its first evicting frames in every panel
     for index, (ax, (checkpoint, prompt)) in enumerate(zip(axes, runs, strict=True)):
         run = table[(table["checkpoint"] == checkpoint) & (table["prompt"] == prompt)]
         run_evictions: dict[int, int] = {}
         for key in keys:
-            policy, budget, sink, recent = key
-            rows = run[
-                (run["policy"] == policy)
-                & (run["budget"] == budget)
-                & (run["sink_frames"] == sink)
-                & (run["recent_frames"] == recent)
-            ].sort_values("frame")
+            capacity = key[-1]
+            rows = _rows_of(run, key).sort_values("frame")
             if rows.empty:
                 continue
             y = rows["rel_l2"].to_numpy(dtype=float)
@@ -163,12 +182,14 @@ def plot_closed_loop_deviation(
                 markevery=_block_starts(rows["block"].to_numpy()),
                 **styles[key],
             )
-            start = evicting_frame(rows["frame"], rows["block"], budget)
+            start = evicting_frame(rows["frame"], rows["block"], capacity)
             if start is not None:
-                run_evictions.setdefault(budget, start)
-                evictions.setdefault(budget, set()).add(start)
-        for budget, start in sorted(run_evictions.items()):
-            ax.axvline(start, label=f"_first eviction, B = {budget}", zorder=1, **EVICTION_STYLE)
+                run_evictions.setdefault(capacity, start)
+                evictions.setdefault(capacity, set()).add(start)
+        for capacity, start in sorted(run_evictions.items()):
+            ax.axvline(
+                start, label=f"_first eviction, cache {capacity}", zorder=1, **EVICTION_STYLE
+            )
         if train_frames is not None:
             ax.axvline(train_frames, label="_training length", zorder=1, **TRAINING_STYLE)
         if titles or len(runs) > 1:
@@ -186,14 +207,14 @@ def plot_closed_loop_deviation(
         axes[0].set_ylim(bottom=0)
     handles = legend_handles(axes)
     if evictions:
-        budgets = sorted(evictions)
+        caches = sorted(evictions)
         if any(len(starts) > 1 for starts in evictions.values()):
-            label = "first eviction of each budget"
-        elif len(budgets) == 1:
-            label = f"first eviction (frame {min(evictions[budgets[0]])}, B = {budgets[0]})"
+            label = "first eviction of each cache size"
+        elif len(caches) == 1:
+            label = f"first eviction (frame {min(evictions[caches[0]])}, cache of {caches[0]})"
         else:
-            starts = _frame_list(min(evictions[budget]) for budget in budgets)
-            label = f"first eviction (frames {starts} for B = {_frame_list(budgets)})"
+            starts = _frame_list(min(evictions[cache]) for cache in caches)
+            label = f"first eviction (frames {starts}, caches of {_frame_list(caches)})"
         handles[label] = Line2D([], [], **EVICTION_STYLE)
     if train_frames is not None:
         handles[f"training length ({int(train_frames)} frames)"] = Line2D([], [], **TRAINING_STYLE)
@@ -259,7 +280,7 @@ def _left_out_note(
     the runs left out when the figure has several, wrapped under the figure."""
     reasons: dict[str, dict[tuple, list[str]]] = {"no offline recall": {}, "never evicts": {}}
     for row in rows.itertuples(index=False):
-        key = (str(row.policy), int(row.budget), int(row.sink_frames), int(row.recent_frames))
+        key = (str(row.policy), *(int(getattr(row, column)) for column in POLICY_KEYS[1:]))
         why = "never evicts" if not np.isfinite(row.rel_l2_mean) else "no offline recall"
         name = names[(str(row.checkpoint), str(row.prompt))].replace(" ", "\N{NO-BREAK SPACE}")
         reasons[why].setdefault(key, []).append(name)  # a run's name stays on one line
@@ -305,13 +326,7 @@ def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figu
     fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.9 + 0.12 * legend_rows), layout="constrained")
     ax = fig.add_subplot()
     for key in keys:
-        policy, budget, sink, recent = key
-        rows = drawn[
-            (drawn["policy"] == policy)
-            & (drawn["budget"] == budget)
-            & (drawn["sink_frames"] == sink)
-            & (drawn["recent_frames"] == recent)
-        ]
+        rows = _rows_of(drawn, key)
         if rows.empty:
             continue
         style = {**styles[key], "linestyle": "none"}
