@@ -431,7 +431,7 @@ def report(args, rollout: dict, survey: dict, check: dict) -> None:
         f"{len(sizes)} layers, {sizes.min() / 1e6:.2f}-{sizes.max() / 1e6:.2f} MB; allocated "
         f"{np.mean(check['allocated']) / 1e6:.2f} MB)",
         f"   attention store, logical     {logical / 1e6:8.2f} MB  (attention_store_bytes: float32 "
-        "key_mass, entropy, pooled logits)",
+        "key_mass, key_logit_mean, entropy, pooled logits)",
         f"   token store, logical         {token_bytes / 1e6:8.0f} MB  (token_store_bytes: float16 "
         f"logits, {len(passes) * args.heads * tiles} tiles)",
         f"   share on disk / token store   {100 * share:8.3f} %",

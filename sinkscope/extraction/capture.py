@@ -143,9 +143,10 @@ class LogitCapture:
                 mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows)
                 key_mass[head, frame] = mass
                 entropy[head, frame] = row_entropy.mean()
-        # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit.
-        q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1)
-        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k_sorted.double()) * self.scale
+        # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
+        # (the mean in float64, the products in float32 like the softmax's).
+        q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1).float()
+        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k_sorted.float()) * self.scale
         writer.write_block(
             self.step,
             first_frame,
