@@ -21,8 +21,7 @@ rule closed_loop:
         # policies keep tokens, not frames: nothing to capture).
         stores=[
             store
-            for policy in ["full", *CLOSED_LOOP_POLICIES]
-            if policy not in CLOSED_LOOP_TOKEN_POLICIES
+            for policy in CLOSED_LOOP_CAPTURED
             for store in closed_loop_stores(policy)
         ],
     log:

@@ -15,6 +15,8 @@ are positions in a cache's ordered list of held tokens, oldest first.
 - `TopCChoice`: sinkscope's `top_c`: per head, the history tokens that received the most
   attention of the previous block's cache-update pass.
 - `buffered_query_frames`: which queries Participative Compression's score sums at a prune.
+- `CLOSED_LOOP_POLICIES` and its families (`SINK_POLICIES`, ...), `policy_label`: the closed
+  loop's policies by what they keep, and what plots and logs call them.
 
 Ties of a score keep the older token (a stable sort); Deep Forcing's `torch.topk` leaves them
 unspecified.
@@ -30,6 +32,43 @@ import numpy as np
 # Deep Forcing's first Participative Compression turn of its sinks is `21 - Budget` frames, a
 # constant of its code (`delta = 21 - capacity // 1560`), right for its cache of 21 frames only.
 RELEASE_CACHE_FRAMES = 21
+
+# The closed loop's cache policies (`sinkscope.extraction.cache_policies`), grouped by what they
+# keep; the workflow, the extraction and the analysis all read these.
+CLOSED_LOOP_POLICIES = (
+    "full",
+    "window",
+    "sink_window",
+    "deep_sink",
+    "participative",
+    "deep_forcing",
+    "top_c",
+)
+# Caches that hold whole frames: attention inside their rollouts can be captured.
+FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink")
+# Participative Compression, its sinks kept (participative) or turned (deep_forcing).
+PARTICIPATIVE_POLICIES = ("participative", "deep_forcing")
+# Policies that keep S sink frames, and those among them that turn their keys.
+SINK_POLICIES = ("sink_window", "deep_sink", *PARTICIPATIVE_POLICIES)
+TURNING_POLICIES = ("deep_sink", "deep_forcing")
+# Policies that keep R recent frames before the own block.
+RECENT_POLICIES = (*PARTICIPATIVE_POLICIES, "top_c")
+
+
+def policy_label(
+    policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0, capacity: int = 0
+) -> str:
+    """What figures, logs and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9
+    S=3', 'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 L=21' (L the capacity of Participative
+    Compression)."""
+    label = f"{policy} B={int(budget)}"
+    if policy in SINK_POLICIES:
+        label += f" S={int(sink_frames)}"
+    if policy in RECENT_POLICIES:
+        label += f" R={int(recent_frames)}"
+    if policy in PARTICIPATIVE_POLICIES:
+        label += f" L={int(capacity)}"
+    return label
 
 
 @dataclass
@@ -88,14 +127,10 @@ def _stable_top(scores: np.ndarray, count: int) -> np.ndarray:
 @dataclass
 class Prune:
     """One prune of `ParticipativeChoice`: the slots of the list it pruned (held tokens, then
-    the block's) that it keeps, the top-C choice among them, the candidates and whether each
-    could still be chosen, and the sink turn that follows (frames, 0 for none)."""
+    the block's) that it keeps, oldest first, and the sink turn that follows (frames, 0 for
+    none)."""
 
-    block_start: int  # first frame of the block whose first pass pruned
     kept: np.ndarray
-    chosen: np.ndarray
-    candidates: np.ndarray
-    eligible: np.ndarray
     turn: int
 
 
@@ -199,7 +234,7 @@ class ParticipativeChoice:
         self.tokens, self.counts = self.tokens[kept], self.counts[kept]
         turn = self._turn(block_start, len(kept), sinks)
         self.pruned_blocks.append(block_start)
-        return Prune(block_start, kept, chosen, candidates, eligible, turn)
+        return Prune(kept, turn)
 
     def _turn(self, block_start: int, kept: int, sinks: int) -> int:
         """Deep Sink under Participative Compression: the sinks aim at g(c) = c - kept frames

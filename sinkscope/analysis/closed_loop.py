@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from sinkscope.analysis.policies import read_policies
+from sinkscope.cache_choices import policy_label
 from sinkscope.storage import write_text_atomically
 from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS
 
@@ -138,26 +139,6 @@ def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
 def _run_label(row) -> str:
     label = policy_label(*(row[key] for key in RUN_KEYS[2:]))
     return f"{row['checkpoint']}/{row['prompt']} {label}"
-
-
-SINK_POLICIES = ("sink_window", "deep_sink", "participative", "deep_forcing")
-RECENT_POLICIES = ("participative", "deep_forcing", "top_c")
-
-
-def policy_label(
-    policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0, capacity: int = 0
-) -> str:
-    """What figures and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9 S=3',
-    'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 L=21' (as `CachePolicy.label` of the extraction
-    does; L the capacity of Participative Compression)."""
-    label = f"{policy} B={int(budget)}"
-    if policy in SINK_POLICIES:
-        label += f" S={int(sink_frames)}"
-    if policy in RECENT_POLICIES:
-        label += f" R={int(recent_frames)}"
-    if OFFLINE_POLICY.get(policy) == "participative":
-        label += f" L={int(capacity)}"
-    return label
 
 
 def evicting_frame(frames: Sequence[int], blocks: Sequence[int], capacity: int) -> int | None:

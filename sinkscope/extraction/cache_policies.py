@@ -27,28 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from sinkscope.cache_choices import ParticipativeChoice, TopCChoice
+from sinkscope.cache_choices import (
+    CLOSED_LOOP_POLICIES,
+    PARTICIPATIVE_POLICIES,
+    RECENT_POLICIES,
+    SINK_POLICIES,
+    ParticipativeChoice,
+    TopCChoice,
+    policy_label,
+)
 
 from .caches import TURNS, DeepSinkKVCache, ParticipativeKVCache, TopCKVCache
-
-POLICY_NAMES = (
-    "full",
-    "window",
-    "sink_window",
-    "deep_sink",
-    "participative",
-    "deep_forcing",
-    "top_c",
-)
-# Policies whose caches hold whole frames: attention inside their rollouts can be captured.
-FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink")
-# Participative Compression, with its sinks kept (participative) or turned (deep_forcing).
-PARTICIPATIVE = ("participative", "deep_forcing")
-# Policies that keep S sink frames, and those among them that turn their keys.
-SINK_POLICIES = ("sink_window", "deep_sink", *PARTICIPATIVE)
-TURNING = ("deep_sink", "deep_forcing")
-# Policies that keep R recent frames before the own block.
-RECENT_POLICIES = (*PARTICIPATIVE, "top_c")
 
 
 @dataclass(frozen=True)
@@ -68,8 +57,8 @@ class CachePolicy:
 
     def check(self, frames_per_block: int) -> None:
         """Refuse a policy its cache cannot run, naming the numbers."""
-        if self.name not in POLICY_NAMES:
-            raise ValueError(f"cache policy {self.name!r} is not one of {POLICY_NAMES}")
+        if self.name not in CLOSED_LOOP_POLICIES:
+            raise ValueError(f"cache policy {self.name!r} is not one of {CLOSED_LOOP_POLICIES}")
         if self.name == "full":
             return
         if self.turn not in TURNS:
@@ -83,7 +72,7 @@ class CachePolicy:
                 f"{self.name}: a budget of {self.budget} frames leaves {room} beside the own block "
                 f"of {frames_per_block}, fewer than the {kept} it must keep"
             )
-        if self.name in PARTICIPATIVE and self.capacity < self.budget:
+        if self.name in PARTICIPATIVE_POLICIES and self.capacity < self.budget:
             raise ValueError(
                 f"{self.name}: a cache of {self.capacity} frames cannot be pruned to a budget of "
                 f"{self.budget}"
@@ -93,7 +82,7 @@ class CachePolicy:
     def cache_frames(self) -> int:
         """Frames the cache holds before it first drops a key: the capacity of Participative
         Compression, the budget otherwise."""
-        return self.capacity if self.name in PARTICIPATIVE else self.budget
+        return self.capacity if self.name in PARTICIPATIVE_POLICIES else self.budget
 
     @property
     def window(self) -> tuple[int, int]:
@@ -109,14 +98,9 @@ class CachePolicy:
         """What plots and logs call it: `deep_sink B=9 S=3`, `deep_forcing B=9 S=3 R=1 L=21`."""
         if self.name == "full":
             return "full cache"
-        label = f"{self.name} B={self.budget}"
-        if self.name in SINK_POLICIES:
-            label += f" S={self.sink_frames}"
-        if self.name in RECENT_POLICIES:
-            label += f" R={self.recent_frames}"
-        if self.name in PARTICIPATIVE:
-            label += f" L={self.capacity}"
-        return label
+        return policy_label(
+            self.name, self.budget, self.sink_frames, self.recent_frames, self.capacity
+        )
 
     def new_caches(
         self,
@@ -160,7 +144,7 @@ class CachePolicy:
                 )
                 for _ in range(cfg.num_layers)
             ]
-        if self.name in PARTICIPATIVE:
+        if self.name in PARTICIPATIVE_POLICIES:
             return [
                 ParticipativeKVCache(
                     ParticipativeChoice(

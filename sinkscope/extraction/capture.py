@@ -153,5 +153,5 @@ class LogitCapture:
             key_frames,
             key_mass.cpu().numpy(),
             entropy.cpu().numpy(),
-            key_logit_mean.float().cpu().numpy(),
+            key_logit_mean.cpu().numpy(),
         )

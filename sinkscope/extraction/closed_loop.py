@@ -24,11 +24,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from sinkscope.cache_choices import FRAME_POLICIES
 from sinkscope.frames import block_sizes
 from sinkscope.storage import atomic_path, write_text_atomically
 from sinkscope.tables import DEVIATION_COLUMNS
 
-from .cache_policies import FRAME_POLICIES, CachePolicy
+from .cache_policies import CachePolicy
 from .capture import LogitCapture
 from .job import RolloutPlan, loaded_job, plan_stores
 from .sampling import rollout

@@ -14,6 +14,7 @@ import sys
 
 import yaml
 
+from sinkscope.cache_choices import SINK_POLICIES
 from sinkscope.frames import block_sizes, visible_frames
 from sinkscope.passes import resolve_passes
 from sinkscope.wan.config import WanConfig
@@ -22,7 +23,6 @@ from sinkscope.wan.layout import (
 )
 
 from .entries import (
-    SINK_POLICIES,
     ConfigError,
     checkpoint_spec,
     closed_loop_policies,

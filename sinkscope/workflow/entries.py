@@ -10,6 +10,13 @@ import unicodedata
 from pathlib import Path
 from typing import NamedTuple
 
+from sinkscope.cache_choices import (
+    FRAME_POLICIES,
+    PARTICIPATIVE_POLICIES,
+    RECENT_POLICIES,
+    SINK_POLICIES,
+    TURNING_POLICIES,
+)
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_model_config
 from sinkscope.wan.spec import CheckpointSpec
@@ -101,12 +108,6 @@ def frame_layers(config: dict) -> list[int]:
     return sorted(set(token_layers(config)) | set(survey_layers(config)))
 
 
-# Closed-loop policies whose caches hold whole frames: attention in them can be captured; the
-# others keep tokens.
-CLOSED_LOOP_FRAME_POLICIES = ("window", "sink_window", "deep_sink")
-CLOSED_LOOP_TOKEN_POLICIES = ("participative", "deep_forcing", "top_c")
-
-
 def closed_loop_policies(config: dict) -> list[str]:
     """The KV-cache policies rolled out in the closed loop (`closed_loop.policies`)."""
     return list(config.get("closed_loop", {}).get("policies", []))
@@ -123,11 +124,11 @@ def closed_loop_runs(config: dict) -> list[tuple[str, str]]:
     return [(c, p) for c, p in runs]
 
 
-# What each closed-loop policy keeps besides its budget (sinkscope.extraction.cache_policies).
-SINK_POLICIES = ("sink_window", "deep_sink", "participative", "deep_forcing")
-RECENT_POLICIES = ("participative", "deep_forcing", "top_c")
-PARTICIPATIVE_POLICIES = ("participative", "deep_forcing")
-TURNING_POLICIES = ("deep_sink", "deep_forcing")
+def captured_rollouts(config: dict) -> list[str]:
+    """The closed loop's rollouts whose attention can be captured, in rollout order: `full` and
+    the policies whose caches hold whole frames (`FRAME_POLICIES`); none without policies."""
+    policies = closed_loop_policies(config)
+    return [name for name in ["full", *policies] if name in FRAME_POLICIES] if policies else []
 
 
 def closed_loop_policy(config: dict, name: str) -> dict:

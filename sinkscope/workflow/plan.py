@@ -18,7 +18,7 @@ from sinkscope.frames import (
 )
 
 from .entries import (
-    CLOSED_LOOP_FRAME_POLICIES,
+    captured_rollouts,
     closed_loop_policies,
     closed_loop_runs,
     export_layers,
@@ -70,8 +70,7 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
             LATENT_CHANNELS * g.num_frames * video["latent_height"] * video["latent_width"] * 4
         )
         rollouts = ["full", *closed_loop_policies(config)]
-        captured = [p for p in rollouts if p in ("full", *CLOSED_LOOP_FRAME_POLICIES)]
-        stores = len(captured) * len(config["closed_loop"]["survey"])
+        stores = len(captured_rollouts(config)) * len(config["closed_loop"]["survey"])
         return len(rollouts) * latents + stores * attention
     raise ValueError(f"unknown job kind {job!r}")
 
