@@ -89,7 +89,7 @@ rule all:
         [
             f"results/closed_loop/{checkpoint}/{prompt}/{policy}/layer{layer}.zarr"
             for checkpoint, prompt in CLOSED_LOOP_RUNS
-            for policy in CLOSED_LOOP_CAPTURED
+            for policy in CLOSED_LOOP_ROLLOUTS
             for layer in CLOSED_LOOP_SURVEY
         ],
         ["results/closed_loop/summary.csv"] if CLOSED_LOOP_POLICIES else [],

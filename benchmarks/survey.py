@@ -175,9 +175,9 @@ def run_survey(args) -> dict:
         seconds = 0.0
         calls = 0
 
-        def __call__(self, layer, q, k, key_tokens, query_start) -> None:
+        def __call__(self, layer, q, k, visible) -> None:
             started = time.perf_counter()
-            super().__call__(layer, q, k, key_tokens, query_start)
+            super().__call__(layer, q, k, visible)
             self.seconds += time.perf_counter() - started
             self.calls += self.step is not None
 

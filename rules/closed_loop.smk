@@ -1,7 +1,8 @@
 # KV-cache policies in the rollout (Contract 6): per (checkpoint, prompt) one GPU job rolls out
-# the full cache and then every policy from the same noise (the model loaded once), and compares
-# each with the full cache frame by frame; a local job sums them up beside the offline recall and
-# draws the closed-loop figures.
+# the full cache (closed_loop.reference: full) and then every policy from the same noise (the
+# model loaded once), with reference-free diagnostics and, against the full cache, the deviation
+# frame by frame; a local job sums them up beside the offline recall, computes the collapse
+# diagnostics per block and draws the closed-loop figures.
 
 
 rule closed_loop:
@@ -11,17 +12,22 @@ rule closed_loop:
     output:
         latents=[
             f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}.safetensors"
-            for policy in ["full", *CLOSED_LOOP_POLICIES]
+            for policy in CLOSED_LOOP_ROLLOUTS
         ],
-        deviation=[
+        # per latent frame: the deviation from the full cache and the sink distance
+        tables=[
             f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}.csv"
-            for policy in CLOSED_LOOP_POLICIES
+            for policy in CLOSED_LOOP_ROLLOUTS
         ],
-        # Attention captured inside the full-cache and frame-level rollouts (the token-level
-        # policies keep tokens, not frames: nothing to capture).
+        # per block: the RoPE positions of the queries and of the first sink frame
+        blocks=[
+            f"results/closed_loop/{{checkpoint}}/{{prompt}}/{policy}.blocks.csv"
+            for policy in CLOSED_LOOP_ROLLOUTS
+        ],
+        # attention over the cache's slots, captured inside every rollout
         stores=[
             store
-            for policy in CLOSED_LOOP_CAPTURED
+            for policy in CLOSED_LOOP_ROLLOUTS
             for store in closed_loop_stores(policy)
         ],
     log:
@@ -38,9 +44,10 @@ rule closed_loop:
         ),
     params:
         layers=CLOSED_LOOP_SURVEY,
+        sink_frames=config["closed_loop"].get("sink_frames", 0),
         settings=lambda wildcards: {
             policy: closed_loop_settings(config, wildcards.checkpoint, policy)
-            for policy in ["full", *CLOSED_LOOP_POLICIES]
+            for policy in CLOSED_LOOP_ROLLOUTS
         },
     script:
         "../scripts/closed_loop.py"
@@ -48,10 +55,23 @@ rule closed_loop:
 
 rule closed_loop_summary:
     input:
-        deviation=[
+        # every rollout's per-frame table (full's included) and block positions
+        frames=[
             f"results/closed_loop/{checkpoint}/{prompt}/{policy}.csv"
             for checkpoint, prompt in CLOSED_LOOP_RUNS
-            for policy in CLOSED_LOOP_POLICIES
+            for policy in CLOSED_LOOP_ROLLOUTS
+        ],
+        blocks=[
+            f"results/closed_loop/{checkpoint}/{prompt}/{policy}.blocks.csv"
+            for checkpoint, prompt in CLOSED_LOOP_RUNS
+            for policy in CLOSED_LOOP_ROLLOUTS
+        ],
+        # the attention over cache slots captured inside every rollout
+        stores=[
+            f"results/closed_loop/{checkpoint}/{prompt}/{policy}/layer{layer}.zarr"
+            for checkpoint, prompt in CLOSED_LOOP_RUNS
+            for policy in CLOSED_LOOP_ROLLOUTS
+            for layer in CLOSED_LOOP_SURVEY
         ],
         policies=[
             f"results/policies/{checkpoint}/{prompt}.csv"
@@ -64,6 +84,13 @@ rule closed_loop_summary:
             category="KV-cache policies",
             subcategory="closed loop",
             labels={"table": "closed loop (csv)"},
+        ),
+        blocks=report(
+            "results/closed_loop/blocks.csv",
+            caption="../report/closed_loop_blocks.rst",
+            category="KV-cache policies",
+            subcategory="closed loop",
+            labels={"table": "collapse diagnostics (csv)"},
         ),
         figures=[
             report(
@@ -81,6 +108,8 @@ rule closed_loop_summary:
         "../envs/analysis.yaml"
     params:
         train_frames=config["video"]["num_frames"],
+        sink_frames=config["closed_loop"].get("sink_frames", 0),
+        sink_threshold=config["stats"]["sink_threshold"],
         figures=canonical(config["figures"]),
     script:
         "../scripts/closed_loop_summary.py"

@@ -11,7 +11,7 @@ from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.plan import format_plan, job_disk_mb
 from sinkscope.workflow.entries import (
     ConfigError,
-    captured_rollouts,
+    closed_loop_rollouts,
     checkpoint_inputs,
     closed_loop_policies,
     closed_loop_runs,
@@ -93,7 +93,7 @@ COMPARE_FIGURES = compare_figures(
 CLOSED_LOOP_POLICIES = closed_loop_policies(config)
 CLOSED_LOOP_RUNS = closed_loop_runs(config)
 # the rollouts whose attention the closed loop captures (full and the frame-level policies)
-CLOSED_LOOP_CAPTURED = captured_rollouts(config)
+CLOSED_LOOP_ROLLOUTS = closed_loop_rollouts(config)
 CLOSED_LOOP_SURVEY = config["closed_loop"]["survey"] if CLOSED_LOOP_POLICIES else []
 CLOSED_LOOP_FIGURES = (
     closed_loop_figures("results/figures/compare", config["figures"]["format"])

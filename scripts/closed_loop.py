@@ -1,7 +1,7 @@
-"""Snakemake adapter: rule closed_loop (the full-cache rollout of one run, then every policy
-against it, in one job). Params: `settings`, each rollout's settings by policy (full first);
-`layers`, captured in the full-cache and frame-level rollouts. Outputs `latents`, `deviation`
-and `stores` in the order of `settings` (`closed_loops`)."""
+"""Snakemake adapter: rule closed_loop (every rollout of one run in one job, the full-cache
+reference first when there is one). Params: `settings`, each rollout's settings by policy;
+`layers`, captured in every rollout; `sink_frames`, the diagnostics' sink frames. Outputs
+`latents`, `tables`, `blocks` and `stores` in the order of `settings` (`closed_loops`)."""
 
 import torch
 
@@ -16,7 +16,9 @@ with job_log(snakemake.log[0]):
         prompt_embeddings=snakemake.input.prompt,
         settings=dict(snakemake.params.settings),
         latents=list(snakemake.output.latents),
-        deviations=list(snakemake.output.deviation),
+        tables=list(snakemake.output.tables),
+        blocks=list(snakemake.output.blocks),
         stores=list(snakemake.output.stores),
         layers=list(snakemake.params.layers),
+        sink_frames=int(snakemake.params.sink_frames),
     )

@@ -1,10 +1,14 @@
-"""Snakemake adapter: rule closed_loop_summary (Contract 6). Inputs: deviation= (the deviation
-table of every closed-loop run and policy), policies= (the recall tables of those runs); outputs:
-summary= (the summary CSV) and the closed-loop figures (every other output, named as the figure
-registry names them); params: train_frames= (latent frames of the training length), figures=
+"""Snakemake adapter: rule closed_loop_summary (Contract 6). Inputs: frames= (the per-frame table
+of every closed-loop run and rollout, the full cache's included),
+blocks= (their block positions), stores= (the attention stores over cache slots captured inside
+the rollouts), policies= (the recall tables of those runs); outputs: summary= (the summary CSV),
+blocks= (the per-block collapse diagnostics) and the closed-loop figures (every other output,
+named as the figure registry names them); params: train_frames= (latent frames of the training
+length), sink_frames= (closed_loop.sink_frames), sink_threshold= (stats.sink_threshold), figures=
 (its `titles`)."""
 
 from sinkscope.analysis.closed_loop import write_closed_loop_summary
+from sinkscope.analysis.diagnostics import write_closed_loop_diagnostics
 from sinkscope.analysis.plots import render_figures
 from sinkscope.logs import job_log
 
@@ -17,15 +21,27 @@ def paths(name: str) -> list[str]:
 
 with job_log(snakemake.log[0]):
     summary = snakemake.output.summary
+    blocks = snakemake.output.blocks
     train_frames = int(snakemake.params.train_frames)
-    deviation = paths("deviation")
-    write_closed_loop_summary(deviation, paths("policies"), summary, train_frames)
+    sink_threshold = float(snakemake.params.sink_threshold)
+    frames = paths("frames")
+    write_closed_loop_summary(frames, paths("policies"), summary, train_frames)
+    write_closed_loop_diagnostics(
+        frames,
+        paths("blocks"),
+        paths("stores"),
+        blocks,
+        sink_frames=int(snakemake.params.sink_frames),
+        sink_threshold=sink_threshold,
+    )
     render_figures(
         [],
-        [path for path in snakemake.output if path != summary],
+        [path for path in snakemake.output if path not in (summary, blocks)],
         heads=[],
-        deviation_tables=deviation,
+        deviation_tables=frames,
         closed_loop_summary=summary,
+        closed_loop_blocks=blocks,
         train_frames=train_frames,
+        sink_threshold=sink_threshold,
         titles=snakemake.params.figures.get("titles", True),
     )

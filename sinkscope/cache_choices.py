@@ -15,8 +15,11 @@ are positions in a cache's ordered list of held tokens, oldest first.
 - `TopCChoice`: sinkscope's `top_c`: per head, the history tokens that received the most
   attention of the previous block's cache-update pass.
 - `buffered_query_frames`: which queries Participative Compression's score sums at a prune.
-- `CLOSED_LOOP_POLICIES` and its families (`SINK_POLICIES`, ...), `policy_label`: the closed
-  loop's policies by what they keep, and what plots and logs call them.
+- `replay_frames`: Rolling-Sink's replay, the frame whose clean key a slot at a position gets.
+- `jitter_thetas`: the per-head temporal RoPE bases of `head_jitter` (LoL's fix, as sinkscope
+  spreads it).
+- `CLOSED_LOOP_POLICIES` and its families (`SINK_POLICIES`, `POSITION_POLICIES`, ...),
+  `policy_label`: the closed loop's policies by what they keep, and what plots and logs call them.
 
 Ties of a score keep the older token (a stable sort); Deep Forcing's `torch.topk` leaves them
 unspecified.
@@ -33,8 +36,19 @@ import numpy as np
 # constant of its code (`delta = 21 - capacity // 1560`), right for its cache of 21 frames only.
 RELEASE_CACHE_FRAMES = 21
 
+# Why a key is in a cache when a query sees it (the `slot_kind` of an attention store over cache
+# slots, Contract 4): its own block, one of the most recent frames (every past frame under the full
+# cache), a sink frame, a token chosen by its score, a frame replayed into the cache (Rolling-Sink).
+KEY_KINDS = ("own", "recent", "sink", "chosen", "replayed")
+KEY_KIND = {name: code for code, name in enumerate(KEY_KINDS)}
+
 # The closed loop's cache policies (`sinkscope.extraction.cache_policies`), grouped by what they
 # keep; the workflow, the extraction and the analysis all read these.
+# Policies that change where keys and queries sit in RoPE, which keys they are, or how much the
+# queries weigh them (`sinkscope.extraction.position_caches`): Infinity-RoPE's relative
+# positions, Rolling-Sink's replay, LoL's per-head jitter of the temporal RoPE base and Krea's
+# logit bias on past frames.
+POSITION_POLICIES = ("relative", "replay", "head_jitter", "logit_bias")
 CLOSED_LOOP_POLICIES = (
     "full",
     "window",
@@ -43,24 +57,40 @@ CLOSED_LOOP_POLICIES = (
     "participative",
     "deep_forcing",
     "top_c",
+    *POSITION_POLICIES,
 )
 # Caches that hold whole frames: attention inside their rollouts can be captured.
-FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink")
+FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink", *POSITION_POLICIES)
 # Participative Compression, its sinks kept (participative) or turned (deep_forcing).
 PARTICIPATIVE_POLICIES = ("participative", "deep_forcing")
 # Policies that keep S sink frames, and those among them that turn their keys.
-SINK_POLICIES = ("sink_window", "deep_sink", *PARTICIPATIVE_POLICIES)
+SINK_POLICIES = (
+    "sink_window",
+    "deep_sink",
+    *PARTICIPATIVE_POLICIES,
+    "relative",
+    "head_jitter",
+    "logit_bias",
+)
 TURNING_POLICIES = ("deep_sink", "deep_forcing")
 # Policies that keep R recent frames before the own block.
 RECENT_POLICIES = (*PARTICIPATIVE_POLICIES, "top_c")
 
 
 def policy_label(
-    policy: str, budget: int, sink_frames: int = 0, recent_frames: int = 0, capacity: int = 0
+    policy: str,
+    budget: int,
+    sink_frames: int = 0,
+    recent_frames: int = 0,
+    capacity: int = 0,
+    *,
+    jitter: float = 0.0,
+    bias: float = 1.0,
 ) -> str:
     """What figures, logs and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9
     S=3', 'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 L=21' (L the capacity of Participative
-    Compression)."""
+    Compression), 'head_jitter B=12 S=3 j=0.8' (the jitter's strength), 'logit_bias B=12 S=3
+    b=0.3' (the factor on past frames' attention)."""
     label = f"{policy} B={int(budget)}"
     if policy in SINK_POLICIES:
         label += f" S={int(sink_frames)}"
@@ -68,7 +98,34 @@ def policy_label(
         label += f" R={int(recent_frames)}"
     if policy in PARTICIPATIVE_POLICIES:
         label += f" L={int(capacity)}"
+    if policy == "head_jitter":
+        label += f" j={float(jitter):g}"
+    if policy == "logit_bias":
+        label += f" b={float(bias):g}"
     return label
+
+
+def replay_frames(positions, span: int) -> np.ndarray:
+    """Rolling-Sink's replay: the frame r(p) whose clean key (given RoPE at p) and value the slot
+    at temporal position p receives, r(p) = p mod 2R if that is below R, else 2R - 1 - (p mod
+    2R), with R = `span` (the release: window 21 less its block of 3, R = 18). A walk over frames
+    0 .. R-1 that starts backward and turns at both ends, each end frame twice in a row: with
+    R = 18 positions 18-35 hold frames 17..0 and 36-53 hold 0..17."""
+    if span < 1:
+        raise ValueError(f"replay: the span R must be at least 1 frame, got {span}")
+    phase = np.asarray(positions, dtype=np.int64) % (2 * span)
+    return np.where(phase < span, phase, 2 * span - 1 - phase)
+
+
+def jitter_thetas(num_heads: int, strength: float, base: float = 10000.0) -> np.ndarray:
+    """The temporal RoPE base of each head under `head_jitter` (float64 [num_heads]): head h of
+    H gets base x (1 + strength x u_h), u_h = 2 (h + 0.5) / H - 1, spread evenly over (-1, 1)
+    and symmetric about 0, deterministic. LoL's exact form is not published (its paper: a
+    per-head jitter of the base, strength about 0.8); strength 0 gives `base` on every head."""
+    if not 0.0 <= strength < 1.0:
+        raise ValueError(f"head_jitter: the strength must lie in [0, 1), got {strength}")
+    u = 2.0 * (np.arange(num_heads, dtype=np.float64) + 0.5) / num_heads - 1.0
+    return base * (1.0 + strength * u)
 
 
 @dataclass

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sinkscope.cache_choices import PARTICIPATIVE_POLICIES
+
 
 def block_sizes(
     num_frames: int,
@@ -156,12 +158,26 @@ def token_store_disk_bytes(
     return data + directories + coordinates + pooled + small + _METADATA_BYTES
 
 
+# Bytes per (pass, head, query frame, key) of a store over cache slots: float32 key_mass and
+# key_logit_mean, int32 slot_frame, slot_token and slot_position, int8 slot_kind.
+SLOT_ENTRY_BYTES = 2 * 4 + 3 * 4 + 1
+
+
 def attention_store_bytes(
-    *, num_passes: int, num_heads: int, num_frames: int, frame_seq_length: int
+    *,
+    num_passes: int,
+    num_heads: int,
+    num_frames: int,
+    frame_seq_length: int,
+    key_slots: int | None = None,
 ) -> int:
     """Uncompressed bytes of one layer's attention store (Contract 4): float32 key_mass and
     key_logit_mean over every (pass, head, query frame, key token), entropy and pooled mean
-    logits."""
+    logits; or, over `key_slots` cache slots, key_mass, key_logit_mean and the slot labels over
+    every (pass, head, query frame, slot) and entropy: linear in the frames."""
+    if key_slots is not None:
+        entries = num_passes * num_heads * num_frames
+        return entries * key_slots * SLOT_ENTRY_BYTES + entries * 4
     per_key_token = 2 * num_passes * num_heads * num_frames * num_frames * frame_seq_length * 4
     return per_key_token + num_passes * num_heads * (num_frames + num_frames**2) * 4
 
@@ -181,21 +197,26 @@ def attention_store_disk_bytes(
     frame_seq_length: int,
     frames_per_block: int,
     block_size: int = 4096,
+    key_slots: int | None = None,
 ) -> int:
-    """An upper bound of the disk space of one layer's attention store, whatever key_mass and
-    key_logit_mean compress to: every chunk (one per array, pass and `frames_per_block` query
-    frames, the store's chunking: `attention_chunk_frames`) stored raw with its overheads and
-    rounded up to a filesystem block, the small arrays, directories and metadata."""
-    chunks = 2 * num_passes * -(-num_frames // frames_per_block)
+    """An upper bound of the disk space of one layer's attention store, whatever its arrays
+    compress to: every chunk (one per array, pass and `frames_per_block` query frames, the
+    store's chunking: `attention_chunk_frames`) stored raw with its overheads and rounded up to
+    a filesystem block, the small arrays, directories and metadata. `key_slots`: a store over
+    cache slots (`attention_store_bytes`)."""
+    arrays = 2 if key_slots is None else 6
+    chunks = arrays * num_passes * -(-num_frames // frames_per_block)
     raw = attention_store_bytes(
         num_passes=num_passes,
         num_heads=num_heads,
         num_frames=num_frames,
         frame_seq_length=frame_seq_length,
+        key_slots=key_slots,
     )
     data = raw + chunks * (_CHUNK_OVERHEAD_BYTES + block_size)
-    directories = (3 + 2 * num_passes + chunks + 12) * block_size
-    coordinates = num_frames * frame_seq_length * 4 + num_frames * 4 + 8 * block_size
+    directories = (3 + arrays * num_passes + chunks + 12) * block_size
+    keys = num_frames * frame_seq_length if key_slots is None else key_slots
+    coordinates = keys * 4 + num_frames * 4 + 8 * block_size
     return data + directories + coordinates + _METADATA_BYTES
 
 
@@ -212,3 +233,18 @@ def export_bytes(
         "shapes_cache": tokens * 2,  # the same logits, with q_shape and k_shape
         "frames": num_heads * num_frames * (num_frames + 1) * 4,
     }
+
+
+def closed_loop_key_frames(policy: dict, num_frames: int, frames_per_block: int) -> int:
+    """Frames' worth of keys a call of a closed-loop rollout under `policy` (its settings entry:
+    name, budget, capacity) sees at most: the key slots of its attention stores. The full cache
+    sees every frame; Participative Compression holds its capacity and one block before a prune;
+    the others at most their budget (top_c: C tokens, R frames and the own block)."""
+    name = policy["name"]
+    if name == "full":
+        frames = num_frames
+    elif name in PARTICIPATIVE_POLICIES:
+        frames = policy["capacity"] + frames_per_block
+    else:
+        frames = policy["budget"]
+    return min(frames, num_frames)

@@ -21,6 +21,8 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from sinkscope.cache_choices import KEY_KINDS
+
 log = logging.getLogger(__name__)
 
 TEMPORARY_SUFFIX = ".tmp"
@@ -75,6 +77,28 @@ VARIABLE_ATTRS = {
     "entropy": {
         "long_name": "softmax entropy of the attention rows, mean over the query frame's tokens",
         "units": "nats",
+    },
+    "slot_frame": {
+        "long_name": "latent frame the key of the cache slot came from (-1: empty)",
+        "units": "1",
+    },
+    "slot_token": {
+        "long_name": "token of the key inside its latent frame (-1: empty)",
+        "units": "1",
+    },
+    "slot_position": {
+        "long_name": "temporal RoPE position of the key as the query saw it (-1: empty)",
+        "units": "1",
+    },
+    "slot_kind": {
+        "long_name": "why the key was in the cache (-1: empty slot)",
+        "units": "1",
+        "flag_values": list(range(len(KEY_KINDS))),
+        "flag_meanings": " ".join(KEY_KINDS),
+    },
+    "key_slot": {
+        "long_name": "slot of the cache as the query saw it, in cache order",
+        "units": "1",
     },
     "step": {"long_name": "captured pass of a block, in pass order (0-based)", "units": "1"},
     "head": {"long_name": "attention head (0-based)", "units": "1"},

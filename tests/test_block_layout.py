@@ -26,7 +26,7 @@ from sinkscope.analysis.reduce import (
 )
 from sinkscope.analysis.stats import frame_statistics, query_sets
 from sinkscope.extraction.cache_policies import CachePolicy
-from sinkscope.extraction.closed_loop import deviation_csv
+from sinkscope.extraction.closed_loop import frame_table_csv
 from sinkscope.extraction.job import RolloutPlan, extract
 from sinkscope.extraction.sampling import Geometry, rollout
 from sinkscope.frames import (
@@ -236,15 +236,15 @@ def test_cache_policies_run_with_a_lone_first_frame(tiny_text, policy):
     assert not torch.allclose(evicting[:, :, 4:], full[:, :, 4:])
 
 
-def test_deviation_table_blocks_follow_the_layout():
+def test_frame_table_blocks_follow_the_layout():
     latents = torch.randn(16, 7, 4, 6, generator=torch.Generator().manual_seed(0))
     common = dict(checkpoint="c", prompt="p", policy=CachePolicy("window", 4), frames_per_block=3)
-    table = deviation_csv(latents, latents, independent_first_frame=True, **common)
+    table = frame_table_csv(latents, latents, independent_first_frame=True, **common)
     rows = list(csv.DictReader(io.StringIO(table)))
     assert [int(r["frame"]) for r in rows] == list(range(7))
     assert [int(r["block"]) for r in rows] == [0, 1, 1, 1, 2, 2, 2]
     with pytest.raises(ValueError, match="does not fit"):
-        deviation_csv(latents, latents, **common)
+        frame_table_csv(latents, latents, **common)
 
 
 @pytest.fixture(scope="module")

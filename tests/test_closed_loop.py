@@ -14,6 +14,9 @@ import pytest
 import torch
 import xarray as xr
 
+from sinkscope.analysis.policies import policy_table
+from sinkscope.analysis.reduce import open_attention_store, reduce_attention_store
+from sinkscope.cache_choices import KEY_KIND
 from sinkscope.extraction.cache_policies import CachePolicy
 from sinkscope.extraction.closed_loop import closed_loop, load_latents
 from sinkscope.extraction.job import extract
@@ -24,6 +27,7 @@ from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
 from .conftest import make_tiny_model
 from .test_capture import _write_inputs
 from .test_model import reference_rope
+from .workflowtools import REPO, demo_copy, planned_jobs, snakemake
 
 # 12 latent frames in blocks of 2, 2 x 3 = 6 tokens per frame: long enough for every policy to
 # evict at a budget of 6 frames.
@@ -153,36 +157,58 @@ def test_top_c_cache_holds_exactly_the_chosen_tokens(tiny_text):
     assert chose > 0  # the rollout made the cache choose, not only keep everything
 
 
-def test_closed_loop_job_writes_latents_and_the_deviation_table(tmp_path):
+def _sink_distance(latents: torch.Tensor, sinks: int) -> list[float]:
+    """LoL's diagnostic 1, written out: per frame the smallest L2 distance to a sink frame over
+    the median of that over the frames past the sinks."""
+    x = latents.double()
+    frames = x.shape[1]
+    dist = [min(float((x[:, f] - x[:, s]).norm()) for s in range(sinks)) for f in range(frames)]
+    median = float(np.median(dist[sinks:]))
+    return [d / median for d in dist]
+
+
+def _loop(tmp_path, common, settings, name, policy, **kwargs):
+    closed_loop(
+        **common,
+        settings={**settings, "policy": policy},
+        latents_path=tmp_path / f"{name}.safetensors",
+        table_path=tmp_path / f"{name}.csv",
+        blocks_path=tmp_path / f"{name}.blocks.csv",
+        progress=False,
+        **kwargs,
+    )
+    with open(tmp_path / f"{name}.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(tmp_path / f"{name}.blocks.csv") as f:
+        blocks = list(csv.DictReader(f))
+    return rows, blocks
+
+
+def test_closed_loop_job_writes_latents_and_its_tables(tmp_path):
     video = {"num_frames": 12, "frames_per_block": 2, "latent_height": 4, "latent_width": 6}
     prompt, settings = _write_inputs(tmp_path, video=video)
     full = tmp_path / "full.safetensors"
     common = {"checkpoint_name": "tiny", "prompt_name": "p", "prompt_embeddings": prompt}
-    closed_loop(
-        **common,
-        settings={**settings, "policy": {"name": "full"}},
-        latents_path=full,
-        progress=False,
-    )
+    rows_full, blocks_full = _loop(tmp_path, common, settings, "full", {"name": "full"})
     reference, meta = load_latents(full)
     assert reference.shape == (16, 12, 4, 6) and meta["policy"] == {"name": "full"}
+    # The full cache has no deviation of its own; its sink distance is LoL's, sinks = block 0.
+    assert all(r["rel_l2"] == "" and r["cosine"] == "" for r in rows_full)
+    expected = _sink_distance(reference, 2)
+    np.testing.assert_allclose([float(r["sink_distance"]) for r in rows_full], expected, 1e-12)
+    assert [(int(b["first_frame"]), int(b["query_position"])) for b in blocks_full] == [
+        (f, f) for f in range(0, 12, 2)
+    ]
+    assert {int(b["sink_position"]) for b in blocks_full} == {0}
 
     rows = {}
     for name, policy in {
         "window": {"name": "window", "budget": 6},
         "covering": {"name": "top_c", "budget": 12, "recent_frames": 2},
     }.items():
-        table = tmp_path / f"{name}.csv"
-        closed_loop(
-            **common,
-            settings={**settings, "policy": policy},
-            latents_path=tmp_path / f"{name}.safetensors",
-            reference=full,
-            deviation_path=table,
-            progress=False,
+        rows[name], _ = _loop(
+            tmp_path, common, settings, name, policy, reference=full, sink_frames=1
         )
-        with open(table) as f:
-            rows[name] = list(csv.DictReader(f))
     window = rows["window"]
     assert [int(r["frame"]) for r in window] == list(range(12))
     assert [int(r["block"]) for r in window] == [f // 2 for f in range(12)]
@@ -194,43 +220,39 @@ def test_closed_loop_job_writes_latents_and_the_deviation_table(tmp_path):
     assert all(float(r["rel_l2"]) == 0.0 for r in window[:6])
     assert all(float(r["rel_l2"]) > 1e-4 for r in window[6:])
     assert all(float(r["rel_l2"]) == 0.0 for r in rows["covering"])
+    np.testing.assert_allclose(
+        [float(r["sink_distance"]) for r in window], _sink_distance(latents, 1), 1e-12
+    )
+
+    # Without a reference: the same rollout, the diagnostics only.
+    alone, _ = _loop(tmp_path, common, settings, "alone", {"name": "window", "budget": 6})
+    assert all(r["rel_l2"] == "" for r in alone)
+    assert [r["sink_distance"] for r in alone] == [
+        r["sink_distance"]
+        for r in _loop(tmp_path, common, settings, "w2", {"name": "window", "budget": 6})[0]
+    ]
 
     with pytest.raises(ValueError, match="seed"):
-        closed_loop(
-            **common,
-            settings={**settings, "seed": 1, "policy": {"name": "window", "budget": 6}},
-            latents_path=tmp_path / "x.safetensors",
+        _loop(
+            tmp_path,
+            common,
+            {**settings, "seed": 1},
+            "x",
+            {"name": "window", "budget": 6},
             reference=full,
-            deviation_path=tmp_path / "x.csv",
-            progress=False,
         )
     assert not (tmp_path / "x.csv").exists() and not (tmp_path / "x.safetensors").exists()
-    with pytest.raises(ValueError, match="cannot be captured"):
-        closed_loop(
-            **common,
-            settings={**settings, "policy": {"name": "top_c", "budget": 6, "recent_frames": 2}},
-            latents_path=tmp_path / "y.safetensors",
-            reference=full,
-            deviation_path=tmp_path / "y.csv",
-            layers=[0],
-            stores=[tmp_path / "y.zarr"],
-        )
 
 
-def test_attention_captured_in_a_closed_loop_is_the_survey_of_the_same_rollout(tmp_path):
-    """A full-cache closed loop with capture writes the attention stores a survey of the same
-    rollout writes; a windowed one sees only its window."""
+def test_attention_captured_over_cache_slots_is_the_survey_of_the_same_rollout(tmp_path):
+    """A full-cache closed loop captured over its cache's slots reduces to the frame dataset a
+    survey of the same rollout gives; a windowed one holds only its window, labelled; top_c's
+    per-head tokens are captured with the frame each came from."""
     video = {"num_frames": 8, "frames_per_block": 2, "latent_height": 4, "latent_width": 6}
     prompt, settings = _write_inputs(tmp_path, video=video)
     common = {"checkpoint_name": "tiny", "prompt_name": "p", "prompt_embeddings": prompt}
-    closed_loop(
-        **common,
-        settings={**settings, "policy": {"name": "full"}},
-        latents_path=tmp_path / "full.safetensors",
-        layers=[0, 1],
-        stores=[tmp_path / "loop0.zarr", tmp_path / "loop1.zarr"],
-        progress=False,
-    )
+    stores = [tmp_path / "loop0.zarr", tmp_path / "loop1.zarr"]
+    _loop(tmp_path, common, settings, "full", {"name": "full"}, layers=[0, 1], stores=stores)
     extract(
         **common,
         layers=[0, 1],
@@ -241,31 +263,82 @@ def test_attention_captured_in_a_closed_loop_is_the_survey_of_the_same_rollout(t
     )
     for layer in (0, 1):
         loop = xr.open_zarr(tmp_path / f"loop{layer}.zarr")
-        survey = xr.open_zarr(tmp_path / f"survey{layer}.zarr")
-        for name in ("key_mass", "entropy", "logit_mean_pooled"):
-            np.testing.assert_array_equal(loop[name].values, survey[name].values)
+        assert loop.attrs["key_axis"] == "slot" and "logit_mean_pooled" not in loop
         assert decoded_attrs(loop)["policy"] == {"name": "full"}
+        reduce_attention_store(tmp_path / f"loop{layer}.zarr", tmp_path / f"f{layer}.zarr")
+        reduce_attention_store(tmp_path / f"survey{layer}.zarr", tmp_path / f"s{layer}.zarr")
+        got, want = (xr.open_zarr(tmp_path / f"{n}{layer}.zarr") for n in ("f", "s"))
+        np.testing.assert_allclose(got["prob_mass"], want["prob_mass"], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(got["entropy"], want["entropy"])
+        # The mean of the tokens' mean logits is the pooled mean logit (float32 products).
+        np.testing.assert_allclose(got["logit_mean"], want["logit_mean"], rtol=0, atol=1e-5)
+        # The key-token view is the survey's store, and the offline recall reads it as one.
+        tokens = open_attention_store(tmp_path / f"loop{layer}.zarr", key_tokens=True)
+        survey = open_attention_store(tmp_path / f"survey{layer}.zarr")
+        for name in ("key_mass", "key_logit_mean"):
+            np.testing.assert_array_equal(tokens[name].values, survey[name].values)
+        options = {"budgets": [2, 4], "sinks": [0, 1], "recent_frames": 1, "capacity": 6}
+        pd.testing.assert_frame_equal(
+            policy_table(got.load(), tokens, **options),
+            policy_table(want.load(), survey, **options),
+            check_exact=False,
+            atol=1e-6,
+        )
 
-    closed_loop(
-        **common,
-        settings={**settings, "policy": {"name": "window", "budget": 4}},
-        latents_path=tmp_path / "w.safetensors",
-        reference=tmp_path / "full.safetensors",
-        deviation_path=tmp_path / "w.csv",
+    _loop(
+        tmp_path,
+        common,
+        settings,
+        "w",
+        {"name": "window", "budget": 4},
         layers=[0],
         stores=[tmp_path / "w0.zarr"],
-        progress=False,
     )
-    mass = xr.open_zarr(tmp_path / "w0.zarr")["key_mass"].values  # [step, head, query, token]
-    last = mass[:, :, 6:8]  # the last block sees frames 4..7 only
-    assert np.isnan(last[..., : 4 * T]).all() and not np.isnan(last[..., 4 * T :]).any()
+    store = xr.open_zarr(tmp_path / "w0.zarr")
+    assert store.sizes["key_slot"] == 4 * T
+    frames = store["slot_frame"].values  # [step, head, query frame, slot]
+    # The last block (frames 6, 7) sees frames 4..7 in cache order; the first only its own.
+    assert (frames[:, :, 6:8] == np.repeat(np.arange(4, 8), T)).all()
+    assert (frames[:, :, 0:2, : 2 * T] == np.repeat(np.arange(2), T)).all()
+    assert (frames[:, :, 0:2, 2 * T :] == -1).all()
+    assert np.isnan(store["key_mass"].values[:, :, 0:2, 2 * T :]).all()
+    assert (store["slot_position"].values[:, :, 6:8] == np.repeat(np.arange(4, 8), T)).all()
+    kinds = store["slot_kind"].values[0, 0, 6]
+    assert (kinds[: 2 * T] == KEY_KIND["recent"]).all() and (
+        kinds[2 * T :] == KEY_KIND["own"]
+    ).all()
+    reduce_attention_store(tmp_path / "w0.zarr", tmp_path / "wf.zarr")
+    mass = xr.open_zarr(tmp_path / "wf.zarr")["prob_mass"].values
+    last = mass[:, :, 6:8]
+    assert np.isnan(last[..., :4]).all() and not np.isnan(last[..., 4:]).any()
     np.testing.assert_allclose(np.nansum(last, axis=-1), 1.0, atol=1e-5)
+
+    _loop(
+        tmp_path,
+        common,
+        settings,
+        "c",
+        {"name": "top_c", "budget": 6, "recent_frames": 2},
+        layers=[0],
+        stores=[tmp_path / "c0.zarr"],
+    )
+    store = xr.open_zarr(tmp_path / "c0.zarr")
+    frames, kinds = store["slot_frame"].values, store["slot_kind"].values
+    last = frames[0, :, 6]  # [head, slot]: each head's own choice of history tokens
+    chosen = kinds[0, :, 6] == KEY_KIND["chosen"]
+    assert chosen.sum(axis=1).tolist() == [2 * T] * last.shape[0]
+    assert (last[chosen] < 4).all() and (last[~chosen & (last >= 0)] >= 4).all()
+    assert any(
+        not np.array_equal(store["slot_token"].values[0, 0, 6], store["slot_token"].values[0, h, 6])
+        for h in range(1, last.shape[0])
+    )
+    np.testing.assert_allclose(np.nansum(store["key_mass"].values, axis=-1), 1.0, atol=1e-5)
 
 
 def test_the_demo_runs_the_closed_loop(demo_run):
     """The embedded default: 42 frames of demo_a / eagle under each policy at budget 9 (and
-    Participative Compression's cache of 21), attention captured in the full-cache and
-    frame-level rollouts, a summary beside the offline recall."""
+    Participative Compression's cache of 21), attention captured over the cache's slots in every
+    rollout (the token-level ones too), a summary beside the offline recall."""
     folder = demo_run / "results/closed_loop/demo_a/eagle"
     reference, meta = load_latents(folder / "full.safetensors")
     assert reference.shape[1] == 42 and meta["policy"] == {"name": "full"}
@@ -281,11 +354,17 @@ def test_the_demo_runs_the_closed_loop(demo_run):
         assert all(float(r["rel_l2"]) > 0.0 for r in rows[fits:]), policy
         assert {int(r["capacity"]) for r in rows} == {fits}
     store = xr.open_zarr(folder / "window/layer0.zarr")
-    seen = ~np.isnan(store["key_mass"].isel(step=0, head=0).values)  # [query frame, token]
     t = store.attrs["frame_seq_length"]
-    assert seen[-1].sum() == 9 * t and seen[-1, -9 * t :].all()
+    # Over the cache's slots: 9 frames of keys, the last query frame saw frames 33..41.
+    assert store.sizes["key_slot"] == 9 * t
+    frames = store["slot_frame"].isel(step=0, head=0).values  # [query frame, slot]
+    assert (frames[-1] == np.repeat(np.arange(33, 42), t)).all()
     full = xr.open_zarr(folder / "full/layer0.zarr")
+    assert full.sizes["key_slot"] == 42 * t
     assert (~np.isnan(full["key_mass"].isel(step=0, head=0).values[-1])).sum() == 42 * t
+    # Every rollout is captured, the token-level ones too.
+    for policy in policies:
+        assert (folder / policy / "layer0.zarr" / "zarr.json").is_file(), policy
     summary = list(csv.DictReader(open(demo_run / "results/closed_loop/summary.csv")))
     assert [r["policy"] for r in summary] == policies
     for row in summary:
@@ -297,3 +376,34 @@ def test_the_demo_runs_the_closed_loop(demo_run):
     recall = pd.read_csv(demo_run / "results/policies/demo_a/eagle.csv")
     participative = recall[recall["policy"] == "participative"]
     assert len(participative) and np.allclose(participative["recall"], 1.0, atol=1e-5)
+
+
+def test_the_long_video_demo_runs_without_a_reference(demo_run, tmp_path):
+    """examples/demo/long_video.yaml, shortened to 21 frames: the position policies and the
+    window family rolled out without a full-cache rollout, captured over their caches' slots,
+    their diagnostics in blocks.csv, the deviation empty, the collapse figure drawn; nothing
+    else of the demo reruns."""
+    root = demo_copy(demo_run, tmp_path / "long")
+    (root / "examples/demo").mkdir(parents=True, exist_ok=True)
+    example = (REPO / "examples/demo/long_video.yaml").read_text()
+    (root / "examples/demo/long_video.yaml").write_text(example)
+    (root / "short.yaml").write_text("closed_loop: {num_frames: 21}\n")
+    args = ("--configfile", "examples/demo/long_video.yaml", "short.yaml")
+    jobs = {rule for rule, _ in planned_jobs(root, *args)}
+    assert jobs == {"closed_loop", "closed_loop_summary", "all"}
+    folder = root / "results/closed_loop/demo_a/eagle"
+    demo_full = (folder / "full.safetensors").stat().st_mtime_ns  # the demo's, left as it was
+    snakemake(root, *args)
+    assert (folder / "full.safetensors").stat().st_mtime_ns == demo_full
+    policies = ["window", "sink_window", "deep_sink", "relative", "replay", "head_jitter"]
+    policies.append("logit_bias")
+    blocks = pd.read_csv(root / "results/closed_loop/blocks.csv")
+    assert sorted(set(blocks["policy"])) == sorted(policies)
+    assert blocks["sink_share"].between(0, 1).all() and set(blocks["layer"]) == {0}
+    summary = pd.read_csv(root / "results/closed_loop/summary.csv")
+    assert summary["rel_l2_mean"].isna().all()
+    positions = pd.read_csv(folder / "relative.blocks.csv")
+    assert positions["query_position"].max() == 9  # B - 3: Infinity-RoPE's bounded positions
+    assert (root / "results/figures/compare/closed_loop_collapse.svg").stat().st_size > 10_000
+    store = xr.open_zarr(folder / "replay/layer0.zarr")
+    assert (store["slot_kind"].values == KEY_KIND["replayed"]).any()

@@ -15,10 +15,16 @@ import pandas as pd
 import pytest
 from matplotlib.figure import Figure
 
-from sinkscope.analysis import closed_loop, figures, policies
+from sinkscope.analysis import closed_loop, diagnostics, figures, policies
 from sinkscope.analysis.plots import render_figures
-from sinkscope.analysis.plots.closed_loop import plot_closed_loop_deviation, plot_closed_loop_recall
+from sinkscope.analysis.plots.closed_loop import (
+    plot_closed_loop_collapse,
+    plot_closed_loop_deviation,
+    plot_closed_loop_recall,
+)
 from sinkscope.analysis.plots.render import builder_of
+from sinkscope.diagnostics import phase_concentration
+from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .figurefixtures import svg_texts
 from .workflowtools import REPO, Named
@@ -50,8 +56,9 @@ CAPACITY = 6
 def deviation_table(
     checkpoint, prompt, policy, budget, sink, recent, capacity, seed
 ) -> pd.DataFrame:
-    """A deviation table as the closed-loop job writes it: zeros while the cache holds every
-    frame, then random deviations spanning about two decades."""
+    """A frame table as the closed-loop job writes it: zeros while the cache holds every
+    frame, then random deviations spanning about two decades; jitter 0 and bias 1 (the policies
+    have neither), a random sink_distance."""
     rng = np.random.default_rng(seed)
     rows = []
     for frame in range(FRAMES):
@@ -59,9 +66,9 @@ def deviation_table(
         full = (block + 1) * BLOCK <= capacity  # every frame its block sees is kept
         rel_l2 = 0.0 if full else float(10 ** rng.uniform(-3, -1))
         cosine = 1.0 if full else float(rng.uniform(0.9, 1.0))
-        key = (checkpoint, prompt, policy, budget, sink, recent, capacity)
-        rows.append((*key, frame, block, rel_l2, cosine))
-    return pd.DataFrame(rows, columns=closed_loop.DEVIATION_COLUMNS)
+        key = (checkpoint, prompt, policy, budget, sink, recent, capacity, 0.0, 1.0)
+        rows.append((*key, frame, block, rel_l2, cosine, float(rng.uniform(0.3, 1.5))))
+    return pd.DataFrame(rows, columns=FRAME_TABLE_COLUMNS)
 
 
 def recall_table(checkpoint, prompt, *, top_c: bool, seed: int) -> pd.DataFrame:
@@ -124,6 +131,44 @@ def write_inputs(folder: Path) -> tuple[list[Path], list[Path]]:
     return deviation, recall
 
 
+def write_block_positions(frame_paths: list[Path]) -> list[Path]:
+    """`{rollout}.blocks.csv` beside each frame table: blocks of BLOCK frames at absolute RoPE
+    positions, the first sink frame at 0 (at BLOCK for the deep sinks from the third block on)."""
+    paths = []
+    for path in frame_paths:
+        frames = pd.read_csv(path)
+        blocks = frames.groupby([*closed_loop.RUN_KEYS, "block"], as_index=False)["frame"].agg(
+            first_frame="min", frames="size"
+        )
+        blocks["query_position"] = blocks["first_frame"]
+        turned = (blocks["policy"] == "deep_sink") & (blocks["block"] >= 2)
+        blocks["sink_position"] = np.where(turned, BLOCK, 0)
+        out = path.with_name(path.stem + ".blocks.csv")
+        blocks[BLOCK_POSITION_COLUMNS].to_csv(out, index=False)
+        paths.append(out)
+    return paths
+
+
+def write_block_table(folder: Path, frame_paths: list[Path], seed: int = 0) -> Path:
+    """results/closed_loop/blocks.csv of the frame tables: no stores (NaN shares), then random
+    sink-head shares of layers 2 and 0 over two passes for every rollout but top_c."""
+    out = folder / "blocks.csv"
+    table = diagnostics.write_closed_loop_diagnostics(
+        frame_paths, write_block_positions(frame_paths), [], out, sink_frames=1
+    )
+    rng = np.random.default_rng(seed)
+    rows = []
+    for row in table[table["policy"] != "top_c"].to_dict("records"):
+        for layer in (2, 0):
+            for step, (timestep, kind) in enumerate([(1000.0, "denoise"), (0.0, "cache")]):
+                rows.append(row | {"layer": layer, "step": step, "timestep": timestep})
+                rows[-1] |= {"pass_kind": kind, "sink_share": float(rng.integers(0, 5) / 4)}
+    captured = pd.DataFrame(rows, columns=BLOCK_DIAGNOSTIC_COLUMNS)
+    table = pd.concat([captured, table[table["policy"] == "top_c"]], ignore_index=True)
+    table.to_csv(out, index=False)
+    return out
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
@@ -155,7 +200,7 @@ def offline_recalls(
 
 def expected_summary_row(deviation: pd.DataFrame, recall: pd.DataFrame, key) -> dict:
     """One summary row by plain loops over the tables (the module docstring's definitions)."""
-    checkpoint, prompt, policy, budget, sink, recent, capacity = key
+    checkpoint, prompt, policy, budget, sink, recent, capacity = key[:7]
     frames = {}
     for row in deviation.itertuples(index=False):
         if (row.checkpoint, row.prompt, row.policy, row.budget, row.sink_frames) == key[:5]:
@@ -223,7 +268,7 @@ def test_summary_matches_plain_loops(tmp_path):
                 assert math.isnan(got), (key, column)
             else:
                 assert got == pytest.approx(value, rel=1e-12, abs=0), (key, column)
-    assert seen == {(c, p, *policy) for c, p in RUNS for policy in LOOP_POLICIES}
+    assert seen == {(c, p, *policy, 0.0, 1.0) for c, p in RUNS for policy in LOOP_POLICIES}
     # the cases the fixture is built for, spelled out
     by_key = {
         (r["prompt"], r["policy"], r["budget"], r["sink_frames"]): r
@@ -304,9 +349,13 @@ def test_read_deviation_refusals_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"no_cosine\.csv.*'cosine'"):
         closed_loop.read_deviation([good, bad])
     unknown = tmp_path / "unknown.csv"
-    table.assign(policy="full").to_csv(unknown, index=False)
-    with pytest.raises(ValueError, match=r"unknown\.csv.*'full'"):
+    table.assign(policy="everything").to_csv(unknown, index=False)
+    with pytest.raises(ValueError, match=r"unknown\.csv.*'everything'"):
         closed_loop.read_deviation([unknown])
+    no_jitter = tmp_path / "no_jitter.csv"
+    table.assign(jitter="").to_csv(no_jitter, index=False)
+    with pytest.raises(ValueError, match=r"no_jitter\.csv.*jitter"):
+        closed_loop.read_deviation([no_jitter])
     fractional = tmp_path / "fractional.csv"
     table.assign(budget=4.5).to_csv(fractional, index=False)
     with pytest.raises(ValueError, match=r"fractional\.csv.*budget"):
@@ -342,10 +391,12 @@ def test_closed_loop_file_names_round_trip():
     assert [f.path for f in files] == [
         "results/figures/closed_loop/closed_loop_deviation.svg",
         "results/figures/closed_loop/closed_loop_recall_deviation.svg",
+        "results/figures/closed_loop/closed_loop_collapse.svg",
     ]
     assert [f.kind.caption for f in files] == [
         "closed_loop_deviation.rst",
         "closed_loop_recall.rst",
+        "closed_loop_collapse.rst",
     ]
     for f in files:
         assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
@@ -509,6 +560,130 @@ def test_closed_loop_figures_without_titles_leave_out_a_single_run():
     assert [ax.get_title() for ax in fig.axes] == ["demo · cat", "demo · dog"]
 
 
+def collapse_columns(fig) -> dict[str, list]:
+    """Rollout label -> its three axes (sink distance, sink-head share, phase), top to bottom."""
+    columns: dict[tuple, list] = {}
+    for ax in fig.axes:
+        spec = ax.get_subplotspec()
+        columns.setdefault((spec.rowspan.start // 3, spec.colspan.start), []).append(ax)
+    named = {}
+    for axes in columns.values():
+        axes.sort(key=lambda ax: ax.get_subplotspec().rowspan.start)
+        named[axes[0].get_title().replace("\n", " ")] = axes  # long labels wrap
+    return named
+
+
+def candidate_lines(ax, name: str) -> list[float]:
+    return sorted(
+        float(line.get_xdata()[0]) for line in ax.lines if line.get_label() == f"_{name} candidate"
+    )
+
+
+def test_collapse_figure_draws_the_tables(tmp_path):
+    deviation_paths, _ = write_inputs(tmp_path)
+    table = closed_loop.read_deviation(deviation_paths)
+    blocks = diagnostics.read_block_diagnostics(write_block_table(tmp_path, deviation_paths))
+    fig = plot_closed_loop_collapse(table, blocks=blocks, train_frames=TRAIN_FRAMES)
+    columns = collapse_columns(fig)
+    labels = [closed_loop.rollout_label(*key, 0.0, 1.0) for key in LOOP_POLICIES]
+    assert sorted(columns) == sorted(labels)
+    for key, label in zip(LOOP_POLICIES, labels, strict=True):
+        distance_ax, share_ax, phase_ax = columns[label]
+        mask = (table["policy"] == key[0]) & (table["budget"] == key[1])
+        mask &= table["sink_frames"] == key[2]
+        block_mask = (blocks["policy"] == key[0]) & (blocks["budget"] == key[1])
+        block_mask &= blocks["sink_frames"] == key[2]
+        lines = data_lines(distance_ax)
+        assert sorted(lines) == ["cat", "sea"]  # one checkpoint: runs named by their prompts
+        dips = []
+        for name, line in lines.items():
+            run = table[mask & (table["prompt"] == name)].sort_values("frame")
+            np.testing.assert_array_equal(line.get_xdata(), run["frame"])
+            np.testing.assert_array_equal(line.get_ydata(), run["sink_distance"])
+            # this run's candidates: the bottom of each run of frames <= 0.5 from frame 6 on
+            low = [(d, f) for f, d in zip(run["frame"], run["sink_distance"], strict=True)]
+            low = [(d, f) if f >= TRAIN_FRAMES and d <= 0.5 else None for d, f in low]
+            dip: list = []
+            for item in [*low, None]:
+                if item is None and dip:
+                    dips.append(float(min(dip)[1]))
+                    dip = []
+                elif item is not None:
+                    dip.append(item)
+        assert candidate_lines(distance_ax, "sink_distance") == sorted(dips)
+        phase_lines = [ln for ln in phase_ax.lines if ln.get_label() == "_"]
+        assert len(phase_lines) == 2  # one per run (their positions are the same)
+        first = blocks[block_mask & (blocks["prompt"] == "cat")].drop_duplicates("block")
+        expected = [phase_concentration(range(f, f + BLOCK), 0) for f in first["first_frame"]]
+        if key[0] == "deep_sink":
+            expected[2:] = [phase_concentration(range(f, f + BLOCK), BLOCK) for f in (4, 6, 8, 10)]
+        for phase_line in phase_lines:
+            np.testing.assert_allclose(phase_line.get_ydata()[:-1], expected, rtol=1e-12)
+            x = np.arange(0, FRAMES + 1, BLOCK) - 0.5
+            np.testing.assert_array_equal(phase_line.get_xdata(), x)
+        shares = data_lines(share_ax)
+        if key[0] == "top_c":
+            assert not shares and "no attention captured" in [t.get_text() for t in share_ax.texts]
+            continue
+        assert sorted(shares) == ["L0", "L2"]
+        for layer in (0, 2):
+            rows = blocks[block_mask & (blocks["layer"] == layer)]
+            mean = rows.groupby("block")["sink_share"].mean().to_numpy()  # passes and runs
+            np.testing.assert_allclose(shares[f"L{layer}"].get_ydata()[:-1], mean)
+        verticals = [
+            ln.get_xdata()[0] for ln in share_ax.lines if ln.get_label() == "_training length"
+        ]
+        assert verticals == [TRAIN_FRAMES]
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts[:4] == ["cat", "sea", "L0", "L2"]
+    assert "training length (6 frames)" in texts
+    assert "mean over the captured passes and runs" in fig.get_suptitle()
+
+
+def test_collapse_candidates_are_marked_where_the_rule_puts_them():
+    """One rollout of 240 frames at absolute positions (blocks of one frame): the phase maxima
+    at LoL's 132 and 201, a sink-distance dip at 150-152 (bottom 151), none before the training
+    length; the line of each candidate crosses the column's three rows."""
+    frames = np.arange(240)
+    distance = np.ones(240)
+    distance[:1] = 0.0
+    distance[[3, 150, 151, 152]] = [0.2, 0.45, 0.3, 0.4]  # frame 3: within the training length
+    key = ("demo", "cat", "window", 21, 0, 0, 21, 0.0, 1.0)
+    table = pd.DataFrame(
+        [(*key, f, f, np.nan, np.nan, d) for f, d in zip(frames, distance, strict=True)],
+        columns=FRAME_TABLE_COLUMNS,
+    )
+    blocks = pd.DataFrame(
+        [
+            (
+                *key,
+                f,
+                f,
+                1,
+                distance[f],
+                phase_concentration([f], 0),
+                pd.NA,
+                pd.NA,
+                np.nan,
+                "",
+                np.nan,
+            )
+            for f in frames
+        ],
+        columns=BLOCK_DIAGNOSTIC_COLUMNS,
+    )
+    fig = plot_closed_loop_collapse(table, blocks=blocks, train_frames=21, titles=False)
+    ((distance_ax, share_ax, phase_ax),) = collapse_columns(fig).values()
+    for ax in (distance_ax, share_ax, phase_ax):
+        assert candidate_lines(ax, "sink_distance") == [151.0]
+        assert candidate_lines(ax, "phase_concentration") == [132.0, 201.0]
+    (marker,) = [ln for ln in distance_ax.lines if ln.get_label() == "_dip"]
+    assert (marker.get_xdata().tolist(), marker.get_ydata().tolist()) == ([151], [0.3])
+    assert "demo" not in fig.get_suptitle()  # titles off: the caption names the run
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert texts == ["sink-distance dip ≤ 0.5", "phase maximum", "training length (21 frames)"]
+
+
 # --------------------------------------------------------------------------------------------
 # files
 
@@ -518,6 +693,7 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     deviation_paths, recall_paths = write_inputs(tmp_path)
     summary = tmp_path / "summary.csv"
     closed_loop.write_closed_loop_summary(deviation_paths, recall_paths, summary, TRAIN_FRAMES)
+    blocks = write_block_table(tmp_path, deviation_paths)
     written = {}
     for run in ("a", "b"):
         outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
@@ -527,6 +703,7 @@ def test_render_closed_loop_figures(tmp_path, fmt):
             heads=[],
             deviation_tables=deviation_paths,
             closed_loop_summary=summary,
+            closed_loop_blocks=blocks,
             train_frames=TRAIN_FRAMES,
         )
         assert [str(p) for p in paths] == outputs
@@ -537,6 +714,9 @@ def test_render_closed_loop_figures(tmp_path, fmt):
         texts = svg_texts(tmp_path / "a" / "closed_loop_deviation.svg")
         assert any("latent deviation from the full-cache rollout" in t for t in texts)
         assert "deep_sink B=4 S=1" in texts
+        texts = svg_texts(tmp_path / "a" / "closed_loop_collapse.svg")
+        assert any("reference-free collapse diagnostics" in t for t in texts)
+        assert "training length (6 frames)" in texts
     else:
         assert written["a"][0].startswith(b"\x89PNG")
 
@@ -547,10 +727,12 @@ def test_bad_closed_loop_renders_fail_before_writing(tmp_path):
     closed_loop.write_closed_loop_summary(deviation_paths, recall_paths, summary, TRAIN_FRAMES)
     out = tmp_path / "figures"
     outputs = [f.path for f in figures.closed_loop_figures(str(out), "svg")]
+    blocks = write_block_table(tmp_path, deviation_paths)
     broken = tmp_path / "broken.csv"
     pd.read_csv(deviation_paths[0]).drop(columns="rel_l2").to_csv(broken, index=False)
     requests = [
-        ({"closed_loop_summary": summary}, "deviation tables"),
+        ({"deviation_tables": deviation_paths, "closed_loop_summary": summary}, "block table"),
+        ({"closed_loop_summary": summary, "closed_loop_blocks": blocks}, "deviation tables"),
         ({"deviation_tables": deviation_paths}, "closed-loop summary"),
         ({"deviation_tables": [broken], "closed_loop_summary": summary}, r"broken\.csv"),
         ({"deviation_tables": deviation_paths, "closed_loop_summary": deviation_paths[0]}, "lacks"),
@@ -564,32 +746,48 @@ def test_bad_closed_loop_renders_fail_before_writing(tmp_path):
         ),
     ]
     for options, message in requests:
+        options = {"closed_loop_blocks": blocks, **options} if "block" not in message else options
         with pytest.raises(ValueError, match=message):
             render_figures([], outputs, heads=[], **options)
     assert not out.exists(), "a failed request must not leave figures behind"
 
 
 def test_closed_loop_summary_script(tmp_path):
-    """scripts/closed_loop_summary.py as the rule runs it: inputs deviation= and policies=,
-    outputs summary= and the figures, params train_frames= and figures=."""
+    """scripts/closed_loop_summary.py as the rule runs it: inputs frames=, blocks=, stores=
+    (none here) and policies=, outputs summary=, blocks= and the figures, params train_frames=,
+    sink_frames=, sink_threshold= and figures=."""
     deviation_paths, recall_paths = write_inputs(tmp_path)
+    block_paths = write_block_positions(deviation_paths)
     out = tmp_path / "results"
     summary = str(out / "closed_loop" / "summary.csv")
+    blocks = str(out / "closed_loop" / "blocks.csv")
     figure_files = [f.path for f in figures.closed_loop_figures(str(out / "figures"), "svg")]
     snakemake = SimpleNamespace(
         input=Named(
-            deviation=[str(p) for p in deviation_paths], policies=[str(p) for p in recall_paths]
+            frames=[str(p) for p in deviation_paths],
+            blocks=[str(p) for p in block_paths],
+            stores=[],
+            policies=[str(p) for p in recall_paths],
         ),
-        output=Named(summary=[summary], figures=figure_files),
+        output=Named(summary=[summary], blocks=[blocks], figures=figure_files),
         log=Named([str(tmp_path / "summary.log")]),
-        params=Named(train_frames=TRAIN_FRAMES, figures={"format": "svg"}),
+        params=Named(
+            train_frames=TRAIN_FRAMES,
+            sink_frames=1,
+            sink_threshold=0.3,
+            figures={"format": "svg"},
+        ),
     )
     snakemake.output.summary = summary  # Snakemake names a single file by its path
+    snakemake.output.blocks = blocks
     runpy.run_path(
         str(REPO / "scripts" / "closed_loop_summary.py"), init_globals={"snakemake": snakemake}
     )
     table = closed_loop.read_closed_loop_summary(summary)
     assert len(table) == len(RUNS) * len(LOOP_POLICIES)
+    block_table = diagnostics.read_block_diagnostics(blocks)
+    assert len(block_table) == len(RUNS) * len(LOOP_POLICIES) * FRAMES // BLOCK
+    assert block_table["sink_share"].isna().all()  # no stores captured
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
         Path(p).name for p in figure_files
     )

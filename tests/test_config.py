@@ -59,8 +59,19 @@ def test_the_demo_config_passes():
         (lambda c: c["prompts"].update(blank="   "), "['prompts']['blank']"),
         (lambda c: c["sampler"].update(local_attn_size=0), "local_attn_size"),
         (lambda c: c.update(device="gpu"), "device"),
+        (lambda c: c["closed_loop"].update(jitter=1.0), "jitter"),
+        (lambda c: c["closed_loop"].update(bias=0), "bias"),
+        (lambda c: c["closed_loop"].update(reference="half"), "reference"),
     ],
-    ids=["unknown-key", "empty-prompt", "zero-window", "bad-device"],
+    ids=[
+        "unknown-key",
+        "empty-prompt",
+        "zero-window",
+        "bad-device",
+        "jitter-out-of-range",
+        "bias-out-of-range",
+        "unknown-reference",
+    ],
 )
 def test_schema_refuses(change, message):
     with pytest.raises(WorkflowError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -176,6 +187,16 @@ def test_schema_refuses(change, message):
             "closed_loop.survey: [4] out of range for checkpoint 'demo_a'",
         ),
         (lambda c: c["closed_loop"].update(num_frames=42.0), "closed_loop.num_frames: 42.0"),
+        (
+            lambda c: c["closed_loop"].update(num_frames=6),
+            "closed_loop.budget=9 frames exceeds closed_loop.num_frames=6",
+        ),
+        (
+            lambda c: c["closed_loop"].update(
+                policies=["window"], num_frames=3000, gpu_memory_gb=0.001
+            ),
+            "closed_loop.reference: full at closed_loop.num_frames=3000 needs about",
+        ),
     ],
     ids=[
         "missing-checkpoint",
@@ -208,12 +229,24 @@ def test_schema_refuses(change, message):
         "closed-loop-capacity-under-the-budget",
         "closed-loop-survey-out-of-range",
         "closed-loop-integer",
+        "closed-loop-window-beyond-the-length",
+        "closed-loop-full-reference-beyond-the-gpu",
     ],
 )
 def test_check_config_names_the_key(change, message):
     with pytest.raises(ConfigError) as raised:
         checked(change)
     assert message in str(raised.value)
+
+
+def test_a_closed_loop_beyond_the_free_disk_is_refused(monkeypatch):
+    from sinkscope.workflow import checks
+
+    monkeypatch.setattr(checks, "free_bytes", lambda folder: ("/results", 10**6))
+    with pytest.raises(ConfigError) as raised:
+        checked(lambda c: c["closed_loop"].update(num_frames=1101, reference="none"))
+    assert "closed_loop.num_frames=1101: the closed loop writes up to" in str(raised.value)
+    assert "more than the 0.0 GB free on /results" in str(raised.value)
 
 
 def test_extraction_params_hold_the_checkpoint_spec_and_its_content(tmp_path):

@@ -104,6 +104,30 @@ def test_deep_forcing_example_plans_its_closed_loop(example_root):
         assert f"results/closed_loop/self_forcing_dmd/eagle/{policy}.safetensors" in result.stdout
 
 
+def test_long_video_example_plans_a_closed_loop_past_the_rope_table(example_root):
+    """1,002 frames under five window policies without a full-cache reference: one closed-loop
+    job, its stores over cache slots, no full-cache rollout; a full reference at that length is
+    refused before any job runs, naming the key and the GPU memory it would need."""
+    args = ("--configfile", "examples/long_video.yaml", "--replace-workflow-config")
+    jobs = planned_jobs(example_root, *args)
+    assert [w for rule, w in jobs if rule == "closed_loop"] == [
+        "checkpoint=self_forcing_dmd, prompt=eagle"
+    ]
+    result = snakemake(example_root, "-n", *args)
+    folder = "results/closed_loop/self_forcing_dmd/eagle"
+    for policy in ("window", "sink_window", "deep_sink", "relative", "head_jitter"):
+        assert f"{folder}/{policy}.blocks.csv" in result.stdout
+        assert f"{folder}/{policy}/layer4.zarr" in result.stdout
+    assert f"{folder}/full.safetensors" not in result.stdout
+    # The example's tiny stand-in model is small: its GPU is made smaller still.
+    (example_root / "full.yaml").write_text("closed_loop: {reference: full, gpu_memory_gb: 0.01}\n")
+    result = snakemake(example_root, "-n", *args[:2], "full.yaml", args[2], check=False)
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "closed_loop.reference: full at closed_loop.num_frames=1002" in said
+    assert "closed_loop.gpu_memory_gb=0.01: set closed_loop.reference: none" in said
+
+
 def test_self_forcing_example_runs_end_to_end(example_root):
     (example_root / "small.yaml").write_text(SMALL_VIDEO)
     snakemake(

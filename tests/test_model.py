@@ -55,6 +55,24 @@ def test_rope_matches_real_valued_rotation(head_dim):
     np.testing.assert_allclose(got[0].numpy(), want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("start_frame", [1021, 1203, 8190])
+def test_rope_past_wans_table_is_the_same_formula(start_frame):
+    """Positions past Wan's 1024 rows (Rolling-Sink's table has 8192) rotate as the formula says,
+    and the first 1024 rows are those of Wan's table of 1024."""
+    grid = (4, 2, 3)
+    x = torch.randn(1, 24, 2, 128, dtype=torch.float64)
+    got = apply_rope(x, rope_angles(128, grid, start_frame, torch.device("cpu")))
+    want = reference_rope(x.numpy()[0], grid, start_frame)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=0, atol=1e-9)
+    from sinkscope.wan.rope import rope_tables, table_rows
+
+    assert table_rows(1024) == 1024 and table_rows(1025) == 2048 and table_rows(8192) == 8192
+    longer = rope_tables(128, torch.device("cpu"), rows=table_rows(start_frame + 4))
+    wan = rope_tables(128, torch.device("cpu"))
+    for long_axis, wan_axis in zip(longer, wan, strict=True):
+        assert torch.equal(long_axis[:1024], wan_axis)
+
+
 def test_rope_split_of_the_real_model():
     # 128 = 44 temporal + 42 height + 42 width channels (22 / 21 / 21 complex pairs).
     from sinkscope.wan.rope import axis_dims

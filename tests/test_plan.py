@@ -42,15 +42,35 @@ def test_plan_counts_every_writing_job_with_its_bound():
     assert len(attention.jobs) == 4 and set(attention.jobs.values()) == {4 * one}
     loop = families["closed loop"]
     # One job per run: the latents of the full cache and of the 6 policies, and layer 0 captured
-    # in the full-cache and the 3 frame-level rollouts (the token-level ones capture nothing).
+    # over the cache's slots in each: 42 frames of keys for the full cache, the 21 + 3 frames
+    # Participative Compression holds before a prune, the budget of 9 for the others.
     assert list(loop.jobs) == ["closed_loop demo_a/eagle"]
     latents = 16 * 42 * 8 * 12 * 4
-    at_42 = attention_store_disk_bytes(
-        num_passes=5, num_heads=4, num_frames=42, frame_seq_length=24, frames_per_block=3
+
+    def over_slots(frames: int) -> int:
+        return attention_store_disk_bytes(
+            num_passes=5,
+            num_heads=4,
+            num_frames=42,
+            frame_seq_length=24,
+            frames_per_block=3,
+            key_slots=frames * 24,
+        )
+
+    stores = over_slots(42) + 2 * over_slots(24) + 4 * over_slots(9)
+    assert loop.jobs["closed_loop demo_a/eagle"] == 7 * latents + stores
+    # Linear in the frames: twice the frames, twice a window's store (to its fixed overheads).
+    twice = attention_store_disk_bytes(
+        num_passes=5,
+        num_heads=4,
+        num_frames=84,
+        frame_seq_length=24,
+        frames_per_block=3,
+        key_slots=9 * 24,
     )
-    assert loop.jobs["closed_loop demo_a/eagle"] == 7 * latents + 4 * at_42
+    assert 1.9 < twice / over_slots(9) <= 2.0
     text = plan.format_plan(config)
-    largest = (7 * latents + 4 * at_42) / 1e6
+    largest = (7 * latents + stores) / 1e6
     assert f"largest job: closed_loop demo_a/eagle, {largest:.1f} MB" in text
     assert re.search(r"free on .* \(fits\)", text)
     assert plan.job_disk_mb(config, "demo_a", "extract") == -(-bound // 1_000_000)

@@ -136,9 +136,9 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     categories = embedded(page, "categories")
     expected = expected_figures()
     # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 4 survey
-    # figures per run; 3 across runs, the survey's sink rates of every run and 2 of the closed loop.
+    # figures per run; 3 across runs, the survey's sink rates of every run and 3 of the closed loop.
     per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
-    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 2 == 70
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 3 == 71
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
@@ -179,7 +179,11 @@ def test_report_holds_the_summary_table(demo_report):
     policies = "results/policies/summary.csv"
     assert set(categories["KV-cache policies"]["all runs"]) == {policies}
     closed = "results/closed_loop/summary.csv"
-    assert set(categories["KV-cache policies"]["closed loop"]) == {closed}
+    blocks = "results/closed_loop/blocks.csv"
+    assert set(categories["KV-cache policies"]["closed loop"]) == {closed, blocks}
+    assert plain_text(first_line("closed_loop_blocks")) in plain_text(results[blocks]["caption"])
+    diagnostics = pd.read_csv(io.BytesIO(decode_data_uri(results[blocks]["data_uri"])))
+    assert set(diagnostics["policy"]) == {"full", *CONFIG["closed_loop"]["policies"]}
     deviation = pd.read_csv(io.BytesIO(decode_data_uri(results[closed]["data_uri"])))
     assert set(deviation["policy"]) == set(CONFIG["closed_loop"]["policies"])
     assert plain_text(first_line("closed_loop_summary")) in plain_text(results[closed]["caption"])
@@ -212,5 +216,12 @@ def test_report_describes_the_workflow(demo_report):
 def test_every_caption_file_is_used():
     captions = {path.stem for path in (REPO / "report").glob("*.rst")}
     used = {caption for _, caption, _ in expected_figures().values()}
-    tables = {"summary", "sink_rate", "policy_summary", "closed_loop_summary", "workflow"}
+    tables = {
+        "summary",
+        "sink_rate",
+        "policy_summary",
+        "closed_loop_summary",
+        "closed_loop_blocks",
+        "workflow",
+    }
     assert captions == used | tables

@@ -168,7 +168,15 @@ def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
         np.testing.assert_array_equal(attention.logit_mean.values, tokens.logit_mean.values)
         # The same Contract 2 but for the store each came from.
         assert set(attention.variables) == set(tokens.variables)
-        per_job = {"store", "tokens", "started_at", "completed_at", "gpu", "attributes_crc32"}
+        per_job = {
+            "store",
+            "key_axis",
+            "tokens",
+            "started_at",
+            "completed_at",
+            "gpu",
+            "attributes_crc32",
+        }
         assert {k: v for k, v in decoded_attrs(attention).items() if k not in per_job} == {
             k: v for k, v in decoded_attrs(tokens).items() if k not in per_job
         }

@@ -1,19 +1,24 @@
-"""Closed-loop deviation tables (Contract 6) and recall tables (Contract 5) -> one summary row
+"""Closed-loop frame tables (Contract 6) and recall tables (Contract 5) -> one summary row
 per closed-loop rollout: how far a KV-cache policy drifts from the full-cache rollout, beside the
 offline recall of the same choice of keys.
 
-A deviation table (`results/closed_loop/{checkpoint}/{prompt}/{policy}.csv`, written by the GPU
-job `sinkscope.extraction.closed_loop`) has one row per latent frame of a rollout longer than the
-cache under one policy: `rel_l2` = ||x - ref|| / ||ref|| and `cosine` of that frame's clean latent
-x against the full-cache rollout ref of the same noise (so 0 and 1 where the cache has dropped
-nothing yet). `budget` B counts the latent frames of keys kept per query block, its own block
-included; `sink_frames` S is set for the policies that keep sinks (`sink_window`, `deep_sink`,
-`participative`, `deep_forcing`), `recent_frames` R for those that keep recent frames before
-the own block (`participative`, `deep_forcing`, `top_c`), each 0 otherwise; `capacity` is the
-frames the cache holds before it drops any: B, or Participative Compression's cache.
+A frame table (`results/closed_loop/{checkpoint}/{prompt}/{policy}.csv`, written by the GPU
+job `sinkscope.extraction.closed_loop`; `FRAME_TABLE_COLUMNS`) has one row per latent frame of a
+rollout longer than the cache under one policy, the full cache's own rollout (`full`) included:
+`rel_l2` = ||x - ref|| / ||ref|| and `cosine` of that frame's clean latent x against the
+full-cache rollout ref of the same noise (so 0 and 1 where the cache has dropped nothing yet),
+both empty (NaN) for `full` itself and without a reference (`closed_loop.reference: none`), and
+the reference-free `sink_distance` (`sinkscope.diagnostics`). `budget` B counts the latent frames
+of keys kept per query block, its own block included; `sink_frames` S is set for the policies
+that keep sinks (`sink_window`, `deep_sink`, `participative`, `deep_forcing`), `recent_frames` R
+for those that keep recent frames before the own block (`participative`, `deep_forcing`,
+`top_c`), each 0 otherwise; `capacity` is the frames the cache holds before it drops any: B, or
+Participative Compression's cache; `jitter` and `bias` are head_jitter's strength and
+logit_bias's b (0 and 1 for the other policies). Any policy of
+`sinkscope.cache_choices.CLOSED_LOOP_POLICIES` is read.
 
-The summary (`closed_loop_summary`) has one row per (checkpoint, prompt, policy, budget,
-sink_frames, recent_frames, capacity), frames and blocks 0-based:
+The summary (`closed_loop_summary`) has one row per rollout (`RUN_KEYS`) but `full`'s (the
+reference has no deviation of its own: its table gives no row), frames and blocks 0-based:
 - `frames`: the latent frames of the rollout;
 - `evicting_from`: the first frame of the first block whose cache had to drop something, i.e. the
   first block whose end (its last frame + 1, the frames its queries see) exceeds the capacity;
@@ -26,7 +31,8 @@ sink_frames, recent_frames, capacity), frames and blocks 0-based:
 - `offline_policy`: the offline policy whose recall describes the closed-loop one
   (`OFFLINE_POLICY`): `deep_sink` keeps the frames of `sink_window` (only the RoPE of its sink
   keys differs), `deep_forcing` the tokens of `participative` (likewise), and a sink window of
-  S = 0 is the offline `window`;
+  S = 0 is the offline `window`; empty for a policy without one (relative, replay, head_jitter,
+  logit_bias: their recall is NaN);
 - `recall`: the mean offline recall of that policy in the same run's recall table, at the same B
   (and the same S, R and capacity where the policy has them), over every row (layer, head, step,
   pass, query block) whose query block sees more frames than the capacity (`visible_frames` >
@@ -34,6 +40,8 @@ sink_frames, recent_frames, capacity), frames and blocks 0-based:
   Without such rows (a budget the recall table lacks, a token policy without a layer with an
   attention store, a recall table with no block longer than the capacity) `recall` is NaN and
   `recall_rows` 0.
+Without a reference (`rel_l2` and `cosine` empty) the deviation columns are NaN; `frames`,
+`evicting_from` and the recall stay.
 """
 
 from __future__ import annotations
@@ -45,10 +53,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from sinkscope import cache_choices
 from sinkscope.analysis.policies import read_policies
 from sinkscope.cache_choices import policy_label
 from sinkscope.storage import write_text_atomically
-from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS
+from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS, FRAME_TABLE_COLUMNS
 
 # A closed-loop rollout: the rows of one deviation table, and of one summary row.
 RUN_KEYS = CLOSED_LOOP_RUN_KEYS
@@ -75,17 +84,51 @@ SUMMARY_COLUMNS = [
 ]
 _TEXT = ["checkpoint", "prompt", "policy"]
 _INTEGERS = ["budget", "sink_frames", "recent_frames", "capacity", "frame", "block"]
-_FLOATS = ["rel_l2", "cosine"]
+RUN_FLOATS = ["jitter", "bias"]  # run keys that are numbers, never empty
+_FLOATS = ["rel_l2", "cosine", "sink_distance"]  # empty: NaN
 # What the recall tables must hold for the summary.
-_RECALL_COLUMNS = [*RUN_KEYS, "visible_frames", "recall"]
+_RECALL_COLUMNS = [*RUN_KEYS[:7], "visible_frames", "recall"]
+FULL = "full"  # the full cache's rollout: the reference, no summary row
+
+
+def closed_loop_policies() -> tuple[str, ...]:
+    """The closed loop's policy names, `full` first (`cache_choices.CLOSED_LOOP_POLICIES`, read
+    when called: new policies need no change here)."""
+    return tuple(cache_choices.CLOSED_LOOP_POLICIES)
+
+
+def policy_order(policy: str) -> tuple[int, str]:
+    """Sort key of a policy: its place in `closed_loop_policies()`, unknown names last, by name."""
+    names = closed_loop_policies()
+    return (names.index(policy), "") if policy in names else (len(names), str(policy))
+
+
+def rollout_label(
+    policy: str,
+    budget: int,
+    sink_frames: int = 0,
+    recent_frames: int = 0,
+    capacity: int = 0,
+    jitter: float = 0.0,
+    bias: float = 1.0,
+) -> str:
+    """What figures call a rollout (its `RUN_KEYS` but checkpoint and prompt): `policy_label`
+    ('head_jitter B=12 S=3 j=0.8'), and `full` for the full cache."""
+    if policy == FULL:
+        return FULL
+    return policy_label(
+        policy, budget, sink_frames, recent_frames, capacity, jitter=float(jitter), bias=float(bias)
+    )
 
 
 def read_deviation(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> pd.DataFrame:
-    """The deviation tables `paths` (Contract 6), stacked: text stays text, counts integers.
+    """The frame tables `paths` (Contract 6, `full`'s included), stacked with the columns
+    `FRAME_TABLE_COLUMNS`: text stays text, counts integers, `jitter`, `bias` floats, an empty
+    `rel_l2`, `cosine` or `sink_distance` NaN.
 
-    Refuses, naming the file, a table that lacks a column of `DEVIATION_COLUMNS`, has no rows,
-    a missing or fractional count, or a policy not in `OFFLINE_POLICY`; and a frame of one
-    rollout that appears twice."""
+    Refuses, naming the file, a table that lacks a column of `FRAME_TABLE_COLUMNS`, has no rows,
+    a missing or fractional count, a missing `jitter` or `bias`, or a policy not in
+    `closed_loop_policies()`; and a frame of one rollout that appears twice."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     tables = [_read_one_deviation(path) for path in paths]
@@ -103,41 +146,61 @@ def read_deviation(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> pd
     return table.drop(columns="source").reset_index(drop=True)
 
 
-def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
+def read_run_table(
+    path: str | os.PathLike,
+    columns: Sequence[str],
+    what: str,
+    integers: Sequence[str],
+    floats: Sequence[str] = (),
+) -> pd.DataFrame:
+    """One CSV of a closed-loop rollout's (`columns`, what the file is called in messages): text
+    stays text, `integers` whole numbers, `RUN_FLOATS` numbers, `floats` numbers or empty (NaN),
+    the policy one of `closed_loop_policies()`, with a `source` column (the file). Refuses,
+    naming the file, a table that is empty, lacks a column or holds something else."""
     try:
         table = pd.read_csv(
             path,
             keep_default_na=False,
-            na_values={column: ["", "nan", "NaN"] for column in [*_INTEGERS, *_FLOATS]},
+            na_values={column: ["", "nan", "NaN"] for column in [*integers, *floats]},
             dtype={column: str for column in _TEXT},
         )
     except pd.errors.EmptyDataError:
-        raise ValueError(f"{path}: empty file, not a deviation table") from None
-    missing = [column for column in DEVIATION_COLUMNS if column not in table.columns]
+        raise ValueError(f"{path}: empty file, not a {what}") from None
+    missing = [column for column in columns if column not in table.columns]
     if missing:
-        raise ValueError(f"{path}: not a deviation table, it lacks the columns {missing}")
+        raise ValueError(f"{path}: not a {what}, it lacks the columns {missing}")
     if table.empty:
-        raise ValueError(f"{path}: the deviation table has no rows")
-    for column in _INTEGERS:
+        raise ValueError(f"{path}: the {what} has no rows")
+    for column in integers:
         values = pd.to_numeric(table[column], errors="coerce")
         if values.isna().any() or (values != np.round(values)).any():
             raise ValueError(f"{path}: column {column} must hold whole numbers")
         table[column] = values.astype(np.int64)
-    for column in _FLOATS:
+    for column in RUN_FLOATS:
+        values = pd.to_numeric(table[column], errors="coerce")
+        if values.isna().any():
+            raise ValueError(f"{path}: column {column} must hold numbers")
+        table[column] = values.astype(np.float64)
+    for column in floats:
         values = pd.to_numeric(table[column], errors="coerce")
         if (values.isna() & table[column].notna()).any():
             raise ValueError(f"{path}: column {column} must hold numbers")
         table[column] = values.astype(np.float64)
-    unknown = sorted(set(table["policy"]) - set(OFFLINE_POLICY))
+    known = closed_loop_policies()
+    unknown = sorted(set(table["policy"]) - set(known))
     if unknown:
-        raise ValueError(f"{path}: policies {unknown} are not one of {list(OFFLINE_POLICY)}")
-    table = table[DEVIATION_COLUMNS].copy()
+        raise ValueError(f"{path}: policies {unknown} are not one of {list(known)}")
+    table = table[list(columns)].copy()
     table["source"] = str(path)
     return table
 
 
+def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
+    return read_run_table(path, FRAME_TABLE_COLUMNS, "closed-loop frame table", _INTEGERS, _FLOATS)
+
+
 def _run_label(row) -> str:
-    label = policy_label(*(row[key] for key in RUN_KEYS[2:]))
+    label = rollout_label(*(row[key] for key in RUN_KEYS[2:]))
     return f"{row['checkpoint']}/{row['prompt']} {label}"
 
 
@@ -198,9 +261,9 @@ def _mean(values: np.ndarray) -> float:
 def closed_loop_summary(
     deviation: pd.DataFrame, recall_tables: pd.DataFrame, train_frames: int
 ) -> pd.DataFrame:
-    """One row per closed-loop rollout of `deviation` (`read_deviation`), columns
-    `SUMMARY_COLUMNS`, defined in the module docstring; `recall_tables`: the runs' recall tables
-    (Contract 5, `policies.read_policies`) stacked, possibly empty."""
+    """One row per closed-loop rollout of `deviation` (`read_deviation`; `full`'s rows give
+    none), columns `SUMMARY_COLUMNS`, defined in the module docstring; `recall_tables`: the runs'
+    recall tables (Contract 5, `policies.read_policies`) stacked, possibly empty."""
     if int(train_frames) != train_frames or train_frames < 1:
         raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
     train_frames = int(train_frames)
@@ -212,17 +275,18 @@ def closed_loop_summary(
     missing = [column for column in _RECALL_COLUMNS if column not in recall_tables.columns]
     if missing:
         raise ValueError(f"the recall tables lack the columns {missing}")
-    order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
     rows = []
     for key, run in deviation.groupby(RUN_KEYS, sort=False):
-        checkpoint, prompt, policy, budget, sink, recent, capacity = key
+        checkpoint, prompt, policy, budget, sink, recent, capacity, jitter, bias = key
+        if policy == FULL:
+            continue
         run = run.sort_values("frame")
         frame = run["frame"].to_numpy()
         rel_l2 = run["rel_l2"].to_numpy(dtype=float)
         cosine = run["cosine"].to_numpy(dtype=float)
         start = evicting_frame(frame, run["block"].to_numpy(), int(capacity))
         evicting = frame >= start if start is not None else np.zeros(len(frame), dtype=bool)
-        offline = offline_policy(policy, sink)
+        offline = offline_policy(policy, sink) if policy in OFFLINE_POLICY else ""
         recall = _offline_recall(
             recall_tables,
             str(checkpoint),
@@ -242,6 +306,8 @@ def closed_loop_summary(
                 "sink_frames": int(sink),
                 "recent_frames": int(recent),
                 "capacity": int(capacity),
+                "jitter": float(jitter),
+                "bias": float(bias),
                 "frames": len(frame),
                 "evicting_from": pd.NA if start is None else start,
                 "rel_l2_mean": _mean(rel_l2[evicting]),
@@ -251,13 +317,11 @@ def closed_loop_summary(
                 "offline_policy": offline,
                 "recall": _mean(recall),
                 "recall_rows": len(recall),
-                "_order": order[policy],
+                "_order": policy_order(policy)[0],
             }
         )
     summary = pd.DataFrame(rows, columns=[*SUMMARY_COLUMNS, "_order"])
-    summary = summary.sort_values(
-        ["checkpoint", "prompt", "_order", "budget", "sink_frames", "recent_frames", "capacity"]
-    )
+    summary = summary.sort_values(["checkpoint", "prompt", "_order", "policy", *RUN_KEYS[3:]])
     summary["evicting_from"] = summary["evicting_from"].astype("Int64")
     return summary[SUMMARY_COLUMNS].reset_index(drop=True)
 
@@ -268,7 +332,11 @@ def read_closed_loop_summary(path: str | os.PathLike) -> pd.DataFrame:
     table = pd.read_csv(
         path,
         keep_default_na=False,
-        na_values={column: ["", "nan", "NaN"] for column in SUMMARY_COLUMNS if column not in _TEXT},
+        na_values={
+            column: ["", "nan", "NaN"]
+            for column in SUMMARY_COLUMNS
+            if column not in (*_TEXT, "offline_policy")
+        },
         dtype={column: str for column in [*_TEXT, "offline_policy"]},
     )
     missing = [column for column in SUMMARY_COLUMNS if column not in table.columns]

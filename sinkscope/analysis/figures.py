@@ -37,8 +37,8 @@ Scopes:
 - `closed_loop`: one file across the runs of the closed loop (Contract 6, rollouts longer than
   the cache under a KV-cache policy): `closed_loop_{kind}.{fmt}` in its folder
   (`closed_loop_figures`, e.g. results/figures/closed_loop/closed_loop_deviation.svg); the
-  function gets a table (a DataFrame: the stacked deviation tables, or the closed-loop summary),
-  not frame datasets.
+  function gets a table (a DataFrame: the stacked frame tables, or the closed-loop summary; the
+  collapse figure the block table of `analysis.diagnostics` too), not frame datasets.
 `layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`),
 `surveyed` (every surveyed layer), `policies` (every layer of the recall table) or `model` (no
 layer picked: the closed loop changes the cache of every layer). A `compare` kind of the
@@ -204,6 +204,13 @@ FIGURES = {
             "closed_loop",
             "model",
         ),
+        FigureKind(
+            "collapse",
+            "closed_loop.plot_closed_loop_collapse",
+            "closed_loop_collapse.rst",
+            "closed_loop",
+            "model",
+        ),
     )
 }
 # The name of a file tells its kind: no two kinds may share a stem.
@@ -307,8 +314,9 @@ def policy_figures(folder: str, layers: Sequence[int], fmt: str) -> list[FigureF
 
 def closed_loop_figures(folder: str, fmt: str) -> list[FigureFile]:
     """Every closed-loop figure in `folder` (e.g. results/figures/closed_loop), in registry order:
-    `{folder}/closed_loop_{kind}.{fmt}`, drawn from the deviation tables of every closed-loop
-    rollout and their summary (Contract 6); no layers picked (label `layer`: all)."""
+    `{folder}/closed_loop_{kind}.{fmt}`, drawn from the frame tables of every closed-loop
+    rollout, their summary and block table (Contract 6); no layers picked (label `layer`:
+    all)."""
     _check_format(fmt)
     return [
         FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, ())

@@ -363,7 +363,7 @@ def write_policies(
     layer)."""
     attention = {}
     for path in attention_stores:
-        store = open_attention_store(path)
+        store = open_attention_store(path, key_tokens=True)
         attention[int(store.attrs["layer"])] = store
     tables = []
     for frame_store in frame_stores:

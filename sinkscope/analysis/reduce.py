@@ -27,6 +27,7 @@ import xarray as xr
 import zarr
 from dask.callbacks import Callback
 
+from sinkscope.analysis import slots
 from sinkscope.frames import block_of_frame, token_frames
 from sinkscope.storage import (
     ATTRIBUTES_CHECKSUM,
@@ -612,6 +613,11 @@ def open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
 def _check_attention_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
     """Validate an attention store's layout against its attributes: (T, F, block sizes)."""
     kind = STORE_NAMES["attention"]
+    if slots.is_slot_store(ds):
+        arrays = ("key_mass", "entropy", "timestep", "pass_kind")
+        tokens_per_frame, num_frames, sizes = _store_layout(kind, path, ds, arrays)
+        slots.check_slot_store(kind, path, ds, num_frames)
+        return tokens_per_frame, num_frames, sizes
     arrays = ("key_mass", "entropy", "logit_mean_pooled", "timestep", "pass_kind")
     tokens_per_frame, num_frames, sizes = _store_layout(kind, path, ds, arrays)
     key_mass = ds["key_mass"]
@@ -633,7 +639,15 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
     """The frame dataset of an opened attention store: key_mass summed per key frame (xarray
     coarsen over dask chunks, one chunk per pass and block), the stored entropy, pooled logits."""
     kind = STORE_NAMES["attention"]
-    tokens_per_frame, _, sizes = _check_attention_store(path, ds)
+    tokens_per_frame, num_frames, sizes = _check_attention_store(path, ds)
+    if slots.is_slot_store(ds):
+        try:
+            prob_mass, logit_mean = slots.frame_view(path, num_frames)
+        except Exception as err:
+            raise _unreadable(kind, path, "key_mass", err, _open_array(path, "key_mass")) from err
+        slots.check_view(kind, path, prob_mass, _DAMAGED[kind])
+        entropy = _values(path, ds, "entropy", kind).astype(np.float32)
+        return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention")
     # dask-backed, one task per stored chunk (one pass and block, every head and key token).
     key_mass = xr.open_zarr(path)["key_mass"].drop_vars("key_frame", errors="ignore")
     # Key tokens -> (key frame, token); a key frame is either wholly visible or not at all, so
@@ -669,15 +683,8 @@ def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
             f"(first at {_tile_name(disagree)}): a key_mass chunk is missing or the store is "
             f"damaged; {_DAMAGED[kind]}"
         )
-    totals = np.nansum(prob_mass, axis=-1)
-    seen = ~np.isnan(pooled).all(axis=-1)
-    error = np.abs(np.where(seen, totals, 1.0) - 1.0)
-    if error.max(initial=0.0) > 1e-3:
-        step, head, frame = (int(i) for i in np.argwhere(error == error.max())[0])
-        raise ValueError(
-            f"{kind} {path}: key_mass of step {step}, head {head}, query frame {frame} sums to "
-            f"{totals[step, head, frame]:.6f}, not 1; {_DAMAGED[kind]}"
-        )
+    # Where both agree on what was seen, what was seen must add up to 1.
+    slots.check_view(kind, path, prob_mass, _DAMAGED[kind])
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
@@ -831,9 +838,11 @@ def _unreadable_frames(path: Path, err: Exception, name: str | None = None) -> V
     )
 
 
-def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
+def open_attention_store(path: str | os.PathLike, *, key_tokens: bool = False) -> xr.Dataset:
     """Open an attention store (Contract 4) lazily (key_mass stays on disk), checking its
-    metadata copies, attribute checksum, `complete` mark and layout; errors name the path."""
+    metadata copies, attribute checksum, `complete` mark and layout; errors name the path.
+    `key_tokens`: a store over cache slots comes as a store over every token of the video
+    (`slots.key_token_view`, in memory), as the offline recall and the survey figures read it."""
     path = Path(path)
     kind = STORE_NAMES["attention"]
     store = open_store(kind, path)
@@ -843,6 +852,8 @@ def open_attention_store(path: str | os.PathLike) -> xr.Dataset:
     ]
     if missing:
         raise ValueError(f"{kind} {path}: missing group attributes {missing}")
+    if key_tokens and slots.is_slot_store(store):
+        return slots.key_token_view(store)
     return store
 
 

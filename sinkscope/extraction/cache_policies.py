@@ -19,6 +19,19 @@ same choice (`sinkscope.cache_choices` decides for both):
 - `top_c`: sinkscope's variant after the paper's wording: the own block, the R frames before it
   and the C = (B - own - R) x T history tokens that received the most attention from the
   previous block's cache-update queries, chosen per head (`caches.TopCKVCache`).
+
+The position policies (`cache_choices.POSITION_POLICIES`, caches in `position_caches`) keep whole
+frames and change where they sit in RoPE, which frame a slot holds, or their weight:
+- `relative`: Infinity-RoPE's [S sinks | newest frames | own block] within B at positions 0 .. n-1
+  (released: B = 6, S = 1), the sinks stored once with RoPE at 0 .. S-1, the rest re-RoPE'd at
+  every call; S may not exceed the first block (`position_caches.RelativeKVCache`);
+- `replay`: Rolling-Sink's rolling window of B frames at absolute positions (released: B = 21,
+  no sinks) whose slots, once a block starts at B or later, replay frames 0 .. B - b - 1 back and
+  forth (`cache_choices.replay_frames`, `position_caches.ReplayKVCache`);
+- `head_jitter`: `sink_window` with a per-head jitter of the temporal RoPE base of strength
+  `jitter` in [0, 1) (LoL's fix for sink collapse; `cache_choices.jitter_thetas`);
+- `logit_bias`: `sink_window` with log(`bias`) added to the logits of past frames other than
+  frame 0, bias in (0, 1] (Krea Realtime's attention bias).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import torch
 from sinkscope.cache_choices import (
     CLOSED_LOOP_POLICIES,
     PARTICIPATIVE_POLICIES,
+    POSITION_POLICIES,
     RECENT_POLICIES,
     SINK_POLICIES,
     ParticipativeChoice,
@@ -38,6 +52,15 @@ from sinkscope.cache_choices import (
 )
 
 from .caches import TURNS, DeepSinkKVCache, ParticipativeKVCache, TopCKVCache
+from .position_caches import (
+    HeadJitterKVCache,
+    LogitBiasKVCache,
+    RelativeKVCache,
+    ReplayKVCache,
+)
+
+# The policies that keep sink_window's frames, (B, S) of Self-Forcing's cache (`window`).
+_SINK_WINDOW_FRAMES = ("sink_window", "deep_sink", "relative", "head_jitter", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -45,7 +68,8 @@ class CachePolicy:
     """One KV-cache policy: its name, budget B (frames, own block included), sink frames S,
     recent frames R before the own block, and for Participative Compression the cache's
     `capacity` (frames held before a prune, Deep Forcing's 21) and the `reuse_cap` (a token
-    chosen that often leaves; 0: never); `turn` says how sink keys turn (`caches.TURNS`)."""
+    chosen that often leaves; 0: never); `turn` says how sink keys turn (`caches.TURNS`);
+    `jitter`: head_jitter's strength in [0, 1); `bias`: logit_bias's factor b in (0, 1]."""
 
     name: str
     budget: int = 0
@@ -54,9 +78,12 @@ class CachePolicy:
     capacity: int = 0
     reuse_cap: int = 7
     turn: str = "delta"
+    jitter: float = 0.0
+    bias: float = 1.0
 
-    def check(self, frames_per_block: int) -> None:
-        """Refuse a policy its cache cannot run, naming the numbers."""
+    def check(self, frames_per_block: int, first_block: int | None = None) -> None:
+        """Refuse a policy its cache cannot run, naming the numbers. `first_block`: the frames
+        of the first block when they differ (an independent first frame)."""
         if self.name not in CLOSED_LOOP_POLICIES:
             raise ValueError(f"cache policy {self.name!r} is not one of {CLOSED_LOOP_POLICIES}")
         if self.name == "full":
@@ -77,6 +104,21 @@ class CachePolicy:
                 f"{self.name}: a cache of {self.capacity} frames cannot be pruned to a budget of "
                 f"{self.budget}"
             )
+        first_block = frames_per_block if first_block is None else first_block
+        if self.name == "relative" and self.sink_frames > first_block:
+            raise ValueError(
+                f"relative: {self.sink_frames} sink frames are more than the first block's "
+                f"{first_block} frames, where the sinks are stored"
+            )
+        if self.name == "replay" and room < 1:
+            raise ValueError(
+                f"replay: a budget of {self.budget} frames leaves no frame beside the own block of "
+                f"{frames_per_block} to replay"
+            )
+        if self.name == "head_jitter" and not 0 <= self.jitter < 1:
+            raise ValueError(f"head_jitter: a strength of {self.jitter} is not in [0, 1)")
+        if self.name == "logit_bias" and not 0 < self.bias <= 1:
+            raise ValueError(f"logit_bias: a bias b of {self.bias} is not in (0, 1]")
 
     @property
     def cache_frames(self) -> int:
@@ -87,10 +129,12 @@ class CachePolicy:
     @property
     def window(self) -> tuple[int, int]:
         """Self-Forcing's (local_attn_size, sink_size) of the frames a frame-level policy keeps:
-        (-1, 0) for the full cache; deep_sink keeps sink_window's frames."""
+        (-1, 0) for the full cache; deep_sink, relative, head_jitter and logit_bias keep
+        sink_window's frames (relative at other positions), replay window's slots (some holding
+        replayed frames)."""
         if self.name == "full":
             return -1, 0
-        sinks = self.sink_frames if self.name in ("sink_window", "deep_sink") else 0
+        sinks = self.sink_frames if self.name in _SINK_WINDOW_FRAMES else 0
         return self.budget, sinks
 
     @property
@@ -99,7 +143,13 @@ class CachePolicy:
         if self.name == "full":
             return "full cache"
         return policy_label(
-            self.name, self.budget, self.sink_frames, self.recent_frames, self.capacity
+            self.name,
+            self.budget,
+            self.sink_frames,
+            self.recent_frames,
+            self.capacity,
+            jitter=self.jitter,
+            bias=self.bias,
         )
 
     def new_caches(
@@ -127,6 +177,8 @@ class CachePolicy:
                 **common,
             )
         cfg = model.config
+        if self.name in POSITION_POLICIES:
+            return self._position_caches(model, frame_seq_length, frames_per_block, device, dtype)
         if self.name == "deep_sink":
             return [
                 DeepSinkKVCache(
@@ -183,3 +235,39 @@ class CachePolicy:
             )
             for _ in range(cfg.num_layers)
         ]
+
+    def _position_caches(self, model, frame_seq_length, frames_per_block, device, dtype) -> list:
+        cfg = model.config
+        if self.name == "relative":
+            return [
+                RelativeKVCache(
+                    budget=self.budget,
+                    sink_frames=self.sink_frames,
+                    frame_seq_length=frame_seq_length,
+                    num_heads=cfg.num_heads,
+                    head_dim=cfg.head_dim,
+                    device=device,
+                    dtype=dtype,
+                )
+                for _ in range(cfg.num_layers)
+            ]
+        local_attn_size, sink_size = self.window
+        window = (
+            1,
+            self.budget * frame_seq_length,
+            cfg.num_heads,
+            cfg.head_dim,
+            frame_seq_length,
+            local_attn_size,
+            sink_size,
+            device,
+            dtype,
+        )
+        if self.name == "replay":
+            return [
+                ReplayKVCache(*window, span=self.budget - frames_per_block)
+                for _ in range(cfg.num_layers)
+            ]
+        if self.name == "head_jitter":
+            return [HeadJitterKVCache(*window, strength=self.jitter) for _ in range(cfg.num_layers)]
+        return [LogitBiasKVCache(*window, bias=self.bias) for _ in range(cfg.num_layers)]

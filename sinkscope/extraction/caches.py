@@ -18,8 +18,8 @@ import math
 import numpy as np
 import torch
 
-from sinkscope.cache_choices import DeepSinkTurns, ParticipativeChoice, TopCChoice
-from sinkscope.wan.model import KVCache
+from sinkscope.cache_choices import KEY_KIND, DeepSinkTurns, ParticipativeChoice, TopCChoice
+from sinkscope.wan.model import CacheEngine, KVCache
 from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
 
 from .capture import CPU_SOFTMAX_ROWS, softmax_reductions
@@ -51,6 +51,10 @@ class SinkKeys:
             self.raw = torch.zeros(shape, dtype=k_raw.dtype, device=k_raw.device)
         stop = min(self.tokens, current_start + k_raw.shape[1])
         self.raw[:, current_start:stop] = k_raw[:, : stop - current_start]
+
+    def moved(self, positions: torch.Tensor, key_tokens: torch.Tensor) -> torch.Tensor:
+        """`positions` of `key_tokens` with the sinks' moved by the turns so far."""
+        return torch.where(key_tokens < self.tokens, positions + self.shift, positions)
 
     def turn_by(self, keys: torch.Tensor, frames: int) -> None:
         """Turn the cached sink keys `keys` [B, sink tokens, heads, head_dim], in place."""
@@ -88,8 +92,12 @@ class DeepSinkKVCache(KVCache):
             self.sinks.turn_by(self.k[:, : self.sink_tokens], frames)
         return visible
 
+    def key_labels(self, key_tokens, query_start):
+        positions, kinds = super().key_labels(key_tokens, query_start)
+        return self.sinks.moved(positions, key_tokens), kinds
 
-class ParticipativeKVCache:
+
+class ParticipativeKVCache(CacheEngine):
     """Deep Forcing's Participative Compression with or without Deep Sink under it, as its
     `causal_model.py` runs it: a cache of `choice.capacity` frames pruned at the first pass of a
     block that overflows it (`cache_choices.ParticipativeChoice` decides what stays, from the
@@ -109,7 +117,8 @@ class ParticipativeKVCache:
         token_grid: tuple[int, int] | None = None,
     ):
         self.choice = choice
-        t = choice.frame_seq_length
+        t = self.frame_seq_length = choice.frame_seq_length
+        self.chosen_below = 0  # held tokens of frames S .. chosen_below - 1 were chosen by score
         # Room for a full cache and one more block before its prune (no more than the video).
         slots = min(choice.capacity + choice.frames_per_block, num_frames) * t
         self.k = torch.zeros(1, slots, num_heads, head_dim, device=device, dtype=dtype)
@@ -158,12 +167,22 @@ class ParticipativeKVCache:
         self.v[:, : len(kept)] = self.v[:, kept]
         self.held = len(kept)
         self.sinks.turn_by(self.k[:, : self.sinks.tokens], prune.turn)
+        # What the prune kept before its newest frames (Recent and the own block) it chose.
+        self.chosen_below = block_start - self.choice.recent_frames
+
+    def key_labels(self, key_tokens, query_start):
+        positions, kinds = super().key_labels(key_tokens, query_start)
+        frames = key_tokens // self.frame_seq_length
+        chosen = (key_tokens >= self.sinks.tokens) & (frames < self.chosen_below)
+        kinds = torch.where(chosen, KEY_KIND["chosen"], kinds)
+        kinds = torch.where(key_tokens < self.sinks.tokens, KEY_KIND["sink"], kinds)
+        return self.sinks.moved(positions, key_tokens), kinds
 
     def begin_pass(self, kind: str) -> None:
         pass
 
 
-class TopCKVCache:
+class TopCKVCache(CacheEngine):
     """sinkscope's `top_c`: [top-C history tokens | R recent frames | own block], each head its
     own choice (`cache_choices.TopCChoice`), by the mean softmax probability the previous
     block's cache-update pass gave each key. The window (recent frames and the own block) is a
@@ -180,7 +199,7 @@ class TopCKVCache:
         dtype: torch.dtype,
     ):
         self.choice = choice
-        t = choice.frame_seq_length
+        t = self.frame_seq_length = choice.frame_seq_length
         self.scale = 1.0 / math.sqrt(head_dim)
         shape = (1, window_frames * t, choice.num_heads, head_dim)
         self.window_k = torch.zeros(shape, device=device, dtype=dtype)
@@ -233,6 +252,12 @@ class TopCKVCache:
         history_token = torch.as_tensor(self.choice.history, device=k.device)
         heads = self.choice.num_heads
         return keys, values, torch.cat([history_token, window_token[:, None].expand(-1, heads)])
+
+    def key_labels(self, key_tokens, query_start):
+        positions, kinds = super().key_labels(key_tokens, query_start)
+        history = len(self.choice.history)  # the first rows: each head's chosen tokens
+        kinds[:history] = KEY_KIND["chosen"]
+        return positions, kinds
 
     def _score(self, q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
         """Each visible key's mean softmax probability over the queries q, per head."""

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .store import AttentionStoreWriter, TokenStoreWriter
+from sinkscope.wan.model import VisibleKeys
+
+from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter
 
 # Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
 # (64 rows of 32760 keys: 8 MB), about as fast as the fused attention kernel at head_dim 128
@@ -27,9 +29,14 @@ CPU_SOFTMAX_ROWS = 64
 
 
 def softmax_reductions(
-    q: torch.Tensor, k: torch.Tensor, scale: float, row_chunk: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    row_chunk: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact softmax of q [R, D] against k [M, D] (all visible), reduced over the rows.
+    """The exact softmax of q [R, D] against k [M, D] (all visible), reduced over the rows;
+    `bias` [M] is added to every row's scaled logits first (a policy's logit bias).
 
     Returns (key_mass [M], entropy [R]) in float32: key_mass is the mean over the R rows of the
     probability each key receives (sums to 1); entropy is each row's -sum p log p, in nats. Rows
@@ -38,6 +45,7 @@ def softmax_reductions(
     """
     q = q.float() * scale
     k = k.float()
+    bias = None if bias is None else bias.float()
     rows, keys = q.shape[0], k.shape[0]
     chunk = rows if row_chunk is None else max(1, min(row_chunk, rows))
     key_mass = torch.zeros(keys, dtype=torch.float32, device=q.device)
@@ -49,6 +57,8 @@ def softmax_reductions(
         n = q_rows.shape[0]
         x, w = shifted[:n], weights[:n]
         torch.mm(q_rows, k.T, out=x)
+        if bias is not None:
+            x.add_(bias)
         x.sub_(x.amax(dim=1, keepdim=True))  # x <= 0, max 0: exp never overflows, Z >= 1
         torch.exp(x, out=w)
         norm = w.sum(dim=1)
@@ -93,8 +103,7 @@ class LogitCapture:
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
-        key_tokens: torch.Tensor,
-        query_start: int,
+        visible: VisibleKeys,
     ) -> None:
         if self.step is None or layer not in self.writers:
             return
@@ -102,6 +111,14 @@ class LogitCapture:
         t = self.frame_seq_length
         if q.shape[0] != 1:
             raise ValueError("logit capture supports batch size 1")
+        if isinstance(writer, SlotStoreWriter):
+            self._slots(writer, q[0], k[0], visible)
+            return
+        key_tokens, query_start = visible.tokens, visible.query_start
+        if visible.bias is not None or key_tokens.dim() != 1:
+            raise ValueError(
+                "a store over every token of the video needs whole frames without a logit bias"
+            )
         # Cache slots hold whole frames; their absolute frames, in slot order.
         slot_frames = key_tokens[::t] // t
         order = torch.argsort(slot_frames)
@@ -130,23 +147,57 @@ class LogitCapture:
                     self.step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
                 )
 
-    def _attention(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+    def _reductions(self, q, k, bias=None):
+        """key_mass and key_logit_mean [heads, query frames, keys] and entropy [heads, query
+        frames] of the call's queries q [n, heads, D] against its keys k [M, heads, D]."""
         t = self.frame_seq_length
         heads, frames = q.shape[1], q.shape[0] // t
         rows = self.softmax_rows or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
-        key_mass = torch.empty((heads, frames, k_sorted.shape[0]), device=q.device)
+        key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
         entropy = torch.empty((heads, frames), device=q.device)
         for head in range(heads):
-            k_head = k_sorted[:, head].float()
+            k_head = k[:, head].float()
             for frame in range(frames):
                 q_frame = q[frame * t : (frame + 1) * t, head]
-                mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows)
+                mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows, bias)
                 key_mass[head, frame] = mass
                 entropy[head, frame] = row_entropy.mean()
         # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
-        # (the mean in float64, the products in float32 like the softmax's).
+        # (the mean in float64, the products in float32 like the softmax's), bias included.
         q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1).float()
-        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k_sorted.float()) * self.scale
+        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k.float()) * self.scale
+        if bias is not None:
+            key_logit_mean += bias.float()
+        return key_mass, entropy, key_logit_mean
+
+    def _slots(self, writer: SlotStoreWriter, q, k, visible: VisibleKeys) -> None:
+        """One call into a store over cache slots: the keys in the cache's order, labelled."""
+        t = self.frame_seq_length
+        key_mass, entropy, key_logit_mean = self._reductions(q, k, visible.bias)
+        positions, kinds = visible.labels(t)
+        tokens = visible.tokens
+        labels = {
+            "slot_frame": tokens // t,
+            "slot_token": tokens % t,
+            "slot_position": positions,
+            "slot_kind": kinds,
+        }
+        # Per-head choices come as [M, heads]; the store takes [heads, M].
+        labels = {
+            name: (values.T if values.dim() == 2 else values).cpu().numpy()
+            for name, values in labels.items()
+        }
+        writer.write_slots(
+            self.step,
+            visible.query_start // t,
+            key_mass.cpu().numpy(),
+            entropy.cpu().numpy(),
+            key_logit_mean.cpu().numpy(),
+            labels,
+        )
+
+    def _attention(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+        key_mass, entropy, key_logit_mean = self._reductions(q, k_sorted)
         writer.write_block(
             self.step,
             first_frame,

@@ -1,18 +1,23 @@
-"""The closed loop (Contract 6): a rollout longer than the cache under a KV-cache policy, and how
-far its clean latents drift from the full-cache rollout of the same noise.
+"""The closed loop (Contract 6): rollouts longer than the cache under KV-cache policies, each
+with its reference-free diagnostics and, where the full-cache rollout of the same noise is the
+reference (`closed_loop.reference: full`), how far its clean latents drift from it.
 
-A job rolls out one (checkpoint, prompt, policy) and writes its x0 latents (safetensors). The
-`full` policy's latents are the reference; every other policy's job reads them and writes the
-deviation of each latent frame (relative L2 and cosine over channels x height x width, float64).
-Same seed, same schedule, same noise draws: the cache is the only difference, so a policy whose
-budget covers every frame gives the reference bit for bit. Attention inside a rollout of a
-frame-level policy can be captured into attention stores (Contract 4) as in a survey.
+A job rolls out one (checkpoint, prompt) under every policy, the model loaded once: `full` first
+when it is the reference. Per rollout it writes the x0 latents (safetensors), a per-frame table
+(`tables.FRAME_TABLE_COLUMNS`: the deviation from the reference, relative L2 and cosine over
+channels x height x width in float64, empty without one; `sink_distance`, `sinkscope.diagnostics`)
+and a per-block table of RoPE positions (`tables.BLOCK_POSITION_COLUMNS`, read from the cache of
+layer 0 at each block's first pass). Same seed, same schedule, same noise draws: the cache is the
+only difference, so a policy whose budget covers every frame gives the reference bit for bit.
+Attention inside every rollout can be captured into attention stores over the cache's slots
+(Contract 4): they grow with the video, not its square, whatever the policy keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -24,10 +29,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sinkscope.cache_choices import FRAME_POLICIES
-from sinkscope.frames import block_sizes
+from sinkscope.diagnostics import sink_distance
+from sinkscope.frames import block_sizes, closed_loop_key_frames
 from sinkscope.storage import atomic_path, write_text_atomically
-from sinkscope.tables import DEVIATION_COLUMNS
+from sinkscope.tables import BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .cache_policies import CachePolicy
 from .capture import LogitCapture
@@ -51,6 +56,8 @@ def policy_of(settings: dict) -> CachePolicy:
         capacity=entry.get("capacity", 0),
         reuse_cap=entry.get("reuse_cap", 7),
         turn=entry.get("turn", "delta"),
+        jitter=entry.get("jitter", 0.0),
+        bias=entry.get("bias", 1.0),
     )
 
 
@@ -88,40 +95,96 @@ def frame_deviation(latents: torch.Tensor, reference: torch.Tensor) -> tuple[lis
     return rel_l2.tolist(), cosine.tolist()
 
 
-def deviation_csv(
+def _run_keys(checkpoint: str, prompt: str, policy: CachePolicy) -> list:
+    """The values of `tables.CLOSED_LOOP_RUN_KEYS` of one rollout."""
+    return [
+        checkpoint,
+        prompt,
+        policy.name,
+        policy.budget,
+        policy.sink_frames,
+        policy.recent_frames,
+        policy.cache_frames,
+        policy.jitter,
+        policy.bias,
+    ]
+
+
+def frame_table_csv(
     latents: torch.Tensor,
-    reference: torch.Tensor,
+    reference: torch.Tensor | None,
     *,
     checkpoint: str,
     prompt: str,
     policy: CachePolicy,
     frames_per_block: int,
     independent_first_frame: bool = False,
+    sink_frames: int = 0,
 ) -> str:
-    """The deviation table of one policy rollout against its reference (Contract 6)."""
-    rel_l2, cosine = frame_deviation(latents, reference)
+    """The per-frame table of one rollout (Contract 6, `tables.FRAME_TABLE_COLUMNS`): the
+    deviation from `reference` (empty without one) and `sink_distance` (`sink_frames` 0: the
+    first block's frames are the sinks)."""
     sizes = block_sizes(latents.shape[1], frames_per_block, independent_first_frame)
     blocks = [block for block, size in enumerate(sizes) for _ in range(size)]
+    if reference is None:
+        rel_l2 = cosine = [""] * len(blocks)
+    else:
+        rel_l2, cosine = (list(map(repr, values)) for values in frame_deviation(latents, reference))
+    distance = sink_distance(latents.double().numpy(), sink_frames or sizes[0]).tolist()
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(DEVIATION_COLUMNS)
-    for frame, (block, l2, cos) in enumerate(zip(blocks, rel_l2, cosine, strict=True)):
-        writer.writerow(
-            [
-                checkpoint,
-                prompt,
-                policy.name,
-                policy.budget,
-                policy.sink_frames,
-                policy.recent_frames,
-                policy.cache_frames,
-                frame,
-                block,
-                repr(l2),
-                repr(cos),
-            ]
-        )
+    writer.writerow(FRAME_TABLE_COLUMNS)
+    run = _run_keys(checkpoint, prompt, policy)
+    for frame, block in enumerate(blocks):
+        writer.writerow([*run, frame, block, rel_l2[frame], cosine[frame], repr(distance[frame])])
     return out.getvalue()
+
+
+class PositionProbe:
+    """A capture hook that records, at the first pass of every block, where layer 0's cache put
+    the block's queries in RoPE (the positions of its own keys, which share the queries'
+    rotation) and the first sink frame (frame 0: as the cache holds it, or its own position 0
+    once it has left); hands every call on to `capture`."""
+
+    def __init__(self, frame_seq_length: int, capture: LogitCapture | None = None):
+        self.frame_seq_length = frame_seq_length
+        self.capture = capture
+        self.rows: list[tuple[int, int, int, int, int]] = []  # the BLOCK_POSITION values
+        self.block = self.pass_index = 0
+
+    @property
+    def layers(self) -> set[int]:
+        return {0} | (self.capture.layers if self.capture is not None else set())
+
+    def begin_pass(self, block: int, pass_index: int, kind: str, timestep: float) -> None:
+        self.block, self.pass_index = block, pass_index
+        if self.capture is not None:
+            self.capture.begin_pass(block, pass_index, kind, timestep)
+
+    def __call__(self, layer, q, k, visible) -> None:
+        if layer == 0 and self.pass_index == 0:
+            t = self.frame_seq_length
+            positions, _ = visible.labels(t)
+            tokens = visible.tokens
+            if tokens.dim() == 2:  # per-head choices: frames and positions of head 0
+                tokens, positions = tokens[:, 0], positions[:, 0]
+            own = tokens >= visible.query_start
+            first = tokens // t == 0
+            sink = int(positions[first].min()) if bool(first.any()) else 0
+            frames = q.shape[1] // t
+            self.rows.append(
+                (self.block, visible.query_start // t, frames, int(positions[own].min()), sink)
+            )
+        if self.capture is not None and layer in self.capture.layers:
+            self.capture(layer, q, k, visible)
+
+    def csv(self, checkpoint: str, prompt: str, policy: CachePolicy) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(BLOCK_POSITION_COLUMNS)
+        run = _run_keys(checkpoint, prompt, policy)
+        writer.writerows([*run, *row] for row in self.rows)
+        return out.getvalue()
 
 
 def _check_reference(path: str | Path, latents: torch.Tensor, mine: dict, theirs: dict) -> None:
@@ -150,15 +213,18 @@ def closed_loop(
     prompt_embeddings: str | Path,
     settings: dict,
     latents_path: str | Path,
+    table_path: str | Path,
+    blocks_path: str | Path,
     reference: str | Path | None = None,
-    deviation_path: str | Path | None = None,
     layers: Sequence[int] = (),
     stores: Sequence[str | Path] = (),
+    sink_frames: int = 0,
     progress: bool = True,
 ) -> None:
-    """Roll out under `settings["policy"]`, write the latents and, given the full-cache
-    `reference` latents, the per-frame deviation table; capture the attention of `layers` into
-    attention `stores` on the way.
+    """Roll out under `settings["policy"]`, write the latents, the per-frame table (against the
+    full-cache `reference` latents, if given) and the per-block positions; capture the attention
+    of `layers` into attention `stores` over the cache's slots on the way. `sink_frames`: the
+    diagnostics' sink frames (0: the first block's).
 
     settings: `sinkscope.workflow.params.closed_loop_settings` (the extraction settings at the
     closed loop's length, with `policy`).
@@ -169,11 +235,10 @@ def closed_loop(
             checkpoint_name,
             prompt_name,
             settings,
-            latents_path,
+            _Outputs(latents_path, table_path, blocks_path, stores),
             reference,
-            deviation_path,
             layers,
-            stores,
+            sink_frames,
             progress,
         )
     log.info("closed loop done: %s", latents_path)
@@ -186,49 +251,57 @@ def closed_loops(
     prompt_embeddings: str | Path,
     settings: dict[str, dict],
     latents: Sequence[str | Path],
-    deviations: Sequence[str | Path],
+    tables: Sequence[str | Path],
+    blocks: Sequence[str | Path],
     stores: Sequence[str | Path] = (),
     layers: Sequence[int] = (),
+    sink_frames: int = 0,
     progress: bool = True,
 ) -> None:
-    """The closed loop of one (checkpoint, prompt) in one job, the model loaded once: the
-    full-cache reference, then every policy against it. `settings`: each rollout's settings by
-    policy, `full` first (`sinkscope.workflow.params.closed_loop_settings`); `latents`: a file
-    per rollout, in that order; `deviations`: a table per policy, in that order, none for
-    `full`; `stores`: `layers` attention stores per rollout that can be captured (`full` and the
-    frame-level policies), rollout by rollout in that order, layer by layer."""
+    """The closed loop of one (checkpoint, prompt) in one job, the model loaded once: every
+    rollout of `settings` (each rollout's settings by policy, `sinkscope.workflow.params.
+    closed_loop_settings`), in that order; with `full` first, it is every other's reference.
+    `latents`, `tables` (per frame) and `blocks` (per block): a file per rollout in that order;
+    `stores`: `layers` attention stores per rollout, rollout by rollout, layer by layer."""
     names = list(settings)
-    if names[:1] != ["full"]:
+    if "full" in names[1:]:
+        raise ValueError(f"the full-cache reference rolls out first, not in {names}")
+    expected = (len(names),) * 3 + (len(names) * len(layers),)
+    if (len(latents), len(tables), len(blocks), len(stores)) != expected:
         raise ValueError(
-            f"the closed loop of a run starts with its full-cache reference, not {names}"
+            f"rollouts {names} (layers {list(layers)}) need {expected[0]} latents, per-frame "
+            f"and per-block tables and {expected[3]} stores; got {len(latents)}, {len(tables)}, "
+            f"{len(blocks)} and {len(stores)}"
         )
-    captured = [name for name in names if name in FRAME_POLICIES]
-    expected = (len(names), len(names) - 1, len(captured) * len(layers))
-    if (len(latents), len(deviations), len(stores)) != expected:
-        raise ValueError(
-            f"rollouts {names} (captured: {captured}, layers {list(layers)}) need "
-            f"{expected[0]} latents, {expected[1]} deviation tables and {expected[2]} stores; "
-            f"got {len(latents)}, {len(deviations)} and {len(stores)}"
-        )
-    store_of = {
-        name: list(stores[i * len(layers) : (i + 1) * len(layers)])
-        for i, name in enumerate(captured)
-    }
-    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings["full"]) as job:
+    reference = latents[0] if names[0] == "full" else None
+    n = len(layers)
+    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings[names[0]]) as job:
         for index, name in enumerate(names):
+            outputs = _Outputs(
+                latents[index], tables[index], blocks[index], stores[index * n : (index + 1) * n]
+            )
             _roll_out(
                 job,
                 checkpoint_name,
                 prompt_name,
                 settings[name],
-                latents[index],
-                latents[0] if index else None,
-                deviations[index - 1] if index else None,
-                layers if name in captured else (),
-                store_of.get(name, ()),
+                outputs,
+                reference if index else None,
+                layers,
+                sink_frames,
                 progress,
             )
-            log.info("closed loop done: %s", latents[index])
+            log.info("closed loop %d/%d done: %s", index + 1, len(names), latents[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """The files of one rollout."""
+
+    latents: str | Path
+    table: str | Path
+    blocks: str | Path
+    stores: Sequence[str | Path]
 
 
 def _roll_out(
@@ -236,28 +309,19 @@ def _roll_out(
     checkpoint_name: str,
     prompt_name: str,
     settings: dict,
-    latents_path: str | Path,
+    outputs: _Outputs,
     reference: str | Path | None,
-    deviation_path: str | Path | None,
     layers: Sequence[int],
-    stores: Sequence[str | Path],
+    sink_frames: int,
     progress: bool,
 ) -> None:
     """One rollout of a loaded job under `settings["policy"]` (`closed_loop`)."""
     policy = policy_of(settings)
     plan = _cache_plan(RolloutPlan.from_settings(settings), policy)
     geometry = plan.geometry
-    policy.check(geometry.frames_per_block)
-    if (reference is None) != (deviation_path is None):
-        raise ValueError("a reference and a deviation table go together")
-    if policy.name != "full" and reference is None:
-        raise ValueError(f"{policy.label}: a policy rollout needs the full-cache reference")
-    if len(layers) != len(stores):
-        raise ValueError(f"{len(layers)} layers but {len(stores)} stores")
-    if layers and policy.name not in FRAME_POLICIES:
-        raise ValueError(
-            f"{policy.name} keeps tokens, not frames: attention in its rollout cannot be captured"
-        )
+    policy.check(geometry.frames_per_block, geometry.block_sizes[0])
+    if len(layers) != len(outputs.stores):
+        raise ValueError(f"{len(layers)} layers but {len(outputs.stores)} stores")
     model, text, device, dtype = job.model, job.text, job.device, job.dtype
     cfg = model.config
     frame_seq_length = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
@@ -281,11 +345,17 @@ def _roll_out(
         capture = None
         if layers:
             attrs = {**provenance, "config": settings}
-            writers = plan_stores(cfg, plan, layers, stores, attrs, stack, "attention")
+            frames = closed_loop_key_frames(
+                settings["policy"], geometry.num_frames, geometry.frames_per_block
+            )
+            slots = frames * frame_seq_length
+            writers = plan_stores(
+                cfg, plan, layers, outputs.stores, attrs, stack, "attention", key_slots=slots
+            )
             by_layer = dict(zip(layers, writers, strict=True))
             capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)
-            model.set_capture(capture, capture.layers)
-
+        probe = PositionProbe(frame_seq_length, capture)
+        model.set_capture(probe, probe.layers)
         log.info(
             "closed loop: %s, %d latent frames (%d blocks) of %s / %s",
             policy.label,
@@ -303,24 +373,27 @@ def _roll_out(
                 seed=plan.seed,
                 device=device,
                 dtype=dtype,
-                on_pass=capture.begin_pass if capture is not None else None,
+                on_pass=probe.begin_pass,
                 progress=progress,
                 caches=caches,
             )[0]
         finally:
             model.set_capture(None)
         provenance["shape"] = list(latents.shape)
+        reference_latents = None
         if reference is not None:
             reference_latents, theirs = load_latents(reference)
             _check_reference(reference, latents, provenance, theirs)
-            table = deviation_csv(
-                latents,
-                reference_latents,
-                checkpoint=checkpoint_name,
-                prompt=prompt_name,
-                policy=policy,
-                frames_per_block=geometry.frames_per_block,
-                independent_first_frame=geometry.independent_first_frame,
-            )
-            write_text_atomically(deviation_path, table)
-        save_latents(latents_path, latents, provenance)
+        table = frame_table_csv(
+            latents,
+            reference_latents,
+            checkpoint=checkpoint_name,
+            prompt=prompt_name,
+            policy=policy,
+            frames_per_block=geometry.frames_per_block,
+            independent_first_frame=geometry.independent_first_frame,
+            sink_frames=sink_frames,
+        )
+        write_text_atomically(outputs.table, table)
+        write_text_atomically(outputs.blocks, probe.csv(checkpoint_name, prompt_name, policy))
+        save_latents(outputs.latents, latents, provenance)

@@ -35,7 +35,7 @@ from sinkscope.workflow.gpus import job_device
 
 from .capture import LogitCapture
 from .sampling import Geometry, Schedule, rollout
-from .store import AttentionStoreWriter, TokenStoreWriter, partial_path
+from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
 
 STORE_KINDS = ("tokens", "attention")
 
@@ -168,10 +168,12 @@ def plan_stores(
     attrs: dict,
     stack: contextlib.ExitStack,
     store: str = "tokens",
+    key_slots: int | None = None,
 ) -> list[TokenStoreWriter | AttentionStoreWriter]:
     """One open store of kind `store` (`tokens` or `attention`) per layer, entered into `stack`,
     after checking the layers and claiming their disk space (`storage.reserved_space`, held until
-    the stack closes).
+    the stack closes). `key_slots`: attention stores over that many cache slots
+    (`SlotStoreWriter`, a closed loop's) instead of every token of the video.
 
     `attrs`: the provenance every store records; the model and geometry facts are added here.
     """
@@ -239,6 +241,10 @@ def plan_stores(
         # key_mass chunks every block exactly ([1, 3, 3, ...]: one query frame per chunk).
         options["frames_per_block"] = attention_chunk_frames(geometry.block_sizes)
         writer_class = AttentionStoreWriter
+        attrs["key_axis"] = "token" if key_slots is None else "slot"
+        if key_slots is not None:
+            options["slots"] = key_slots
+            writer_class = SlotStoreWriter
         store_bytes = attention_store_disk_bytes(
             num_passes=len(plan.passes),
             num_heads=cfg.num_heads,
@@ -246,6 +252,7 @@ def plan_stores(
             frame_seq_length=frame_seq_length,
             frames_per_block=options["frames_per_block"],
             block_size=block_size,
+            key_slots=key_slots,
         )
         what = "the attention stores (float32 key mass, stored raw)"
     log.info(

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from sinkscope.frames import block_sizes, block_starts
 
 NUM_TRAIN_TIMESTEPS = 1000
+LOG_SECONDS = 5.0  # between progress lines of a rollout in a job's log
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def rollout(
         unit="pass",
         disable=not (progress and sys.stderr.isatty()),
     )
-    started = time.perf_counter()
+    started = logged = time.perf_counter()
     for block, (start, size) in enumerate(zip(block_starts(sizes), sizes, strict=True)):
         start = int(start)
         x = noise[:, :, start : start + size].to(device=device, dtype=dtype)
@@ -190,7 +191,11 @@ def rollout(
                     )
                     x = (1 - sigma_next) * x0 + sigma_next * fresh
             bar.update(1)
-            if progress and bar.disable:
+            now = time.perf_counter()
+            last = block + 1 == len(sizes) and pass_index + 1 == len(timesteps)
+            # In a job's log: a line every LOG_SECONDS (a 1,000-frame rollout has 2,000 passes).
+            if progress and bar.disable and (now - logged >= LOG_SECONDS or last):
+                logged = now
                 log.info(
                     "block %d/%d pass %d/%d (%s, t=%g) done, %.1f s",
                     block + 1,

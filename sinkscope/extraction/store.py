@@ -9,6 +9,7 @@ crc32c checksum: a changed byte fails its read instead of reducing to different 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -122,6 +123,7 @@ class _StoreWriter:
     """
 
     what = "store"
+    pooled_logits = True  # frame-level mean logits from pooled q and k (F x F per step and head)
 
     def __init__(
         self,
@@ -150,16 +152,17 @@ class _StoreWriter:
         self._group = group
         self._create_arrays(group)
         # Small (steps x heads x F x F): kept in memory, written whole at close.
-        self.pooled = np.full(
-            (self.num_steps, num_heads, num_frames, num_frames), np.nan, np.float32
+        self.pooled = (
+            np.full((self.num_steps, num_heads, num_frames, num_frames), np.nan, np.float32)
+            if self.pooled_logits
+            else None
         )
-        token_frame = np.repeat(np.arange(num_frames, dtype=np.int32), frame_seq_length)
         coordinates = [
             ("step", ("step",), np.arange(self.num_steps, dtype=np.int32)),
             ("head", ("head",), np.arange(num_heads, dtype=np.int32)),
             ("timestep", ("step",), np.asarray(timesteps, dtype=np.float32)),
             ("pass_kind", ("step",), np.asarray(pass_kinds, dtype=str)),
-            *self._coordinates(token_frame),
+            *self._coordinates(),
         ]
         for name, dims, values in coordinates:
             array = group.create_array(
@@ -184,9 +187,12 @@ class _StoreWriter:
     def _create_arrays(self, group: zarr.Group) -> None:
         raise NotImplementedError
 
-    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
-        """The per-token (or per-frame) coordinate arrays: (name, dims, values)."""
+    def _coordinates(self) -> list[tuple[str, tuple, np.ndarray]]:
+        """The per-token (or per-frame, per-slot) coordinate arrays: (name, dims, values)."""
         raise NotImplementedError
+
+    def _token_frame(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_frames, dtype=np.int32), self.frame_seq_length)
 
     def _write(self, *item) -> None:
         raise NotImplementedError
@@ -231,16 +237,17 @@ class _StoreWriter:
         if self._error is not None:
             remove(self.tmp)
             raise RuntimeError(f"writing {self.tmp} failed") from self._error
-        pooled = self._group.create_array(
-            "logit_mean_pooled",
-            shape=self.pooled.shape,
-            dtype="float32",
-            fill_value=np.nan,
-            dimension_names=POOLED_DIMS,
-            compressors=checked_compressors(),
-            attributes=VARIABLE_ATTRS["logit_mean_pooled"],
-        )
-        pooled[:] = self.pooled
+        if self.pooled is not None:
+            pooled = self._group.create_array(
+                "logit_mean_pooled",
+                shape=self.pooled.shape,
+                dtype="float32",
+                fill_value=np.nan,
+                dimension_names=POOLED_DIMS,
+                compressors=checked_compressors(),
+                attributes=VARIABLE_ATTRS["logit_mean_pooled"],
+            )
+            pooled[:] = self.pooled
         self._finish(self._group)
         # Marked only now: a store without `complete` is never accepted downstream.
         mark_complete(
@@ -314,7 +321,8 @@ class TokenStoreWriter(_StoreWriter):
             config={"write_empty_chunks": True},
         )
 
-    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
+    def _coordinates(self) -> list[tuple[str, tuple, np.ndarray]]:
+        token_frame = self._token_frame()
         return [
             ("query_frame", ("query_token",), token_frame),
             ("key_frame", ("key_token",), token_frame),
@@ -361,6 +369,8 @@ class AttentionStoreWriter(_StoreWriter):
             (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
         )
 
+    key_dims = KEY_MASS_DIMS
+
     def _create_arrays(self, group: zarr.Group) -> None:
         self.key_mass, self.key_logit_mean = (
             group.create_array(
@@ -379,11 +389,11 @@ class AttentionStoreWriter(_StoreWriter):
             for name in ("key_mass", "key_logit_mean")
         )
 
-    def _coordinates(self, token_frame: np.ndarray) -> list[tuple[str, tuple, np.ndarray]]:
+    def _coordinates(self) -> list[tuple[str, tuple, np.ndarray]]:
         frames = np.arange(self.num_frames, dtype=np.int32)
         return [
             ("query_frame", ("query_frame",), frames),
-            ("key_frame", ("key_token",), token_frame),
+            ("key_frame", ("key_token",), self._token_frame()),
         ]
 
     def _write(
@@ -426,8 +436,140 @@ class AttentionStoreWriter(_StoreWriter):
             shape=self.entropy.shape,
             dtype="float32",
             fill_value=np.nan,
-            dimension_names=KEY_MASS_DIMS[:3],
+            dimension_names=self.key_dims[:3],
             compressors=checked_compressors(),
             attributes=VARIABLE_ATTRS["entropy"],
         )
         entropy[:] = self.entropy
+
+
+SLOT_DIMS = ("step", "head", "query_frame", "key_slot")
+# The labels of each slot, aligned with key_mass: name -> (dtype, what an empty slot holds).
+SLOT_LABELS = {
+    "slot_frame": ("int32", -1),
+    "slot_token": ("int32", -1),
+    "slot_position": ("int32", -1),
+    "slot_kind": ("int8", -1),
+}
+
+
+class SlotStoreWriter(AttentionStoreWriter):
+    """An attention store whose key axis is the cache, not the video (docs/DESIGN.md, Contract 4,
+    "over cache slots"): per pass, head and query frame, `key_mass` and `key_logit_mean` of every
+    key the query saw, in the cache's order, each slot labelled with the latent frame and token
+    its key came from, its temporal RoPE position as the query saw it and why it was there
+    (`SLOT_LABELS`). `slots`: the most keys any call sees; a store grows with the video, not its
+    square. No pooled frame-level logits: the frame view derives them from `key_logit_mean`.
+
+    Every array is chunked (steps, heads, frames_per_block, slots): the captured passes of one
+    block are gathered in memory and written as one chunk of each array (a 1,000-frame closed
+    loop is 2,000 pass calls: one chunk each would make zarr's overhead per chunk the cost)."""
+
+    what = "float32 key mass and mean logits over cache slots"
+    pooled_logits = False
+    key_dims = SLOT_DIMS
+
+    def __init__(self, path: str | Path, *, slots: int, **kw):
+        self.slots = slots
+        self._pool = concurrent.futures.ThreadPoolExecutor(6, thread_name_prefix="slot-writer")
+        # The block being gathered: its first query frame, rows by array, steps received.
+        self._block: tuple[int, dict[str, np.ndarray], set[int]] | None = None
+        super().__init__(path, **kw)
+
+    def close(self) -> Path:
+        try:
+            if not self._closed and self._block is not None:
+                self._flush()
+            return super().close()
+        finally:
+            self._pool.shutdown()
+
+    def abort(self) -> None:
+        try:
+            super().abort()
+        finally:
+            self._pool.shutdown()
+
+    def _create_arrays(self, group: zarr.Group) -> None:
+        self.arrays = {}
+        shape = (self.num_steps, self.num_heads, self.num_frames, self.slots)
+        chunks = (self.num_steps, self.num_heads, self.frames_per_block, self.slots)
+        variables = {"key_mass": ("float32", np.nan), "key_logit_mean": ("float32", np.nan)}
+        for name, (dtype, fill) in {**variables, **SLOT_LABELS}.items():
+            self.arrays[name] = group.create_array(
+                name,
+                shape=shape,
+                chunks=chunks,
+                compressors=key_mass_compressors(),
+                dtype=dtype,
+                fill_value=fill,
+                dimension_names=SLOT_DIMS,
+                attributes={**VARIABLE_ATTRS[name], "coordinates": "timestep pass_kind"},
+            )
+
+    def _coordinates(self) -> list[tuple[str, tuple, np.ndarray]]:
+        return [
+            ("query_frame", ("query_frame",), np.arange(self.num_frames, dtype=np.int32)),
+            ("key_slot", ("key_slot",), np.arange(self.slots, dtype=np.int32)),
+        ]
+
+    def write_pooled(self, *args) -> None:
+        raise TypeError("a store over cache slots keeps no pooled frame-level logits")
+
+    def _write(self, first_query_frame: int, rows: dict) -> int:
+        frames = rows["key_mass"].shape[2]
+        queries = slice(first_query_frame, first_query_frame + frames)
+
+        def write(name: str) -> None:
+            self.arrays[name][:, :, queries, :] = rows[name]
+
+        # The six chunks of a block at once: zarr's event loop encodes them side by side, where
+        # one after the other each waited for the last.
+        list(self._pool.map(write, rows))
+        return sum(values.nbytes for values in rows.values())
+
+    def _flush(self) -> None:
+        first_query_frame, rows, _ = self._block
+        self._block = None
+        self._put((first_query_frame, rows))
+
+    def write_slots(
+        self,
+        step: int,
+        first_query_frame: int,
+        key_mass: np.ndarray,
+        entropy: np.ndarray,
+        key_logit_mean: np.ndarray,
+        labels: dict[str, np.ndarray],
+    ) -> None:
+        """key_mass and key_logit_mean [heads, query frames, M] over the M keys a pass call saw,
+        in cache order, entropy [heads, query frames], and the `SLOT_LABELS` of each key ([M]
+        shared by the heads, or [heads, M]); padded to `slots`, and queued once every captured
+        pass of the block has come."""
+        heads, frames, keys = key_mass.shape
+        if keys > self.slots:
+            raise ValueError(
+                f"{self.path}: a call saw {keys} keys, more than the store's {self.slots} slots"
+            )
+        if self._block is not None and self._block[0] != first_query_frame:
+            self._flush()  # a block whose passes were not all captured (not in a rollout)
+        if self._block is None:
+            shape = (self.num_steps, heads, frames, self.slots)
+            rows = {
+                name: np.full(shape, np.nan, np.float32) for name in ("key_mass", "key_logit_mean")
+            }
+            for name, (dtype, fill) in SLOT_LABELS.items():
+                rows[name] = np.full(shape, fill, dtype)
+            self._block = (first_query_frame, rows, set())
+        _, rows, steps = self._block
+        rows["key_mass"][step, :, :, :keys] = key_mass
+        rows["key_logit_mean"][step, :, :, :keys] = key_logit_mean
+        for name in SLOT_LABELS:
+            values = np.asarray(labels[name])
+            rows[name][step, :, :, :keys] = (values if values.ndim == 2 else values[None])[
+                :, None, :
+            ]
+        steps.add(step)
+        self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
+        if len(steps) == self.num_steps:
+            self._flush()

@@ -19,6 +19,9 @@ from torch import nn
 from .config import WanConfig
 from .rope import apply_rope, rope_angles
 
+# `KVCache.key_labels` kinds (sinkscope.cache_choices.KEY_KINDS, which the model cannot import).
+_OWN, _RECENT, _SINK = 0, 1, 2
+
 
 def timestep_sinusoid(dim: int, timesteps: torch.Tensor) -> torch.Tensor:
     """[cos | sin] embedding of timesteps [N], computed in float64 as in the reference."""
@@ -56,7 +59,40 @@ class LayerNorm(nn.LayerNorm):
         return normed.type_as(x)
 
 
-class KVCache:
+class CacheEngine:
+    """What every layer cache of a rollout tells the self-attention beside its keys: where the
+    call's queries sit in RoPE (`angles`), a bias added to each visible key's logits
+    (`logit_bias`), and for a capture, each visible key's RoPE position and why it is there
+    (`key_labels`). Caches that move keys or queries in time, or bias them, override these."""
+
+    frame_seq_length: int
+
+    def angles(
+        self, head_dim: int, grid: tuple[int, int, int], start_frame: int, device: torch.device
+    ) -> torch.Tensor:
+        """RoPE of this call's queries and own keys: their own frames, by default."""
+        return rope_angles(head_dim, grid, start_frame, device)
+
+    def logit_bias(self, key_tokens: torch.Tensor, query_start: int) -> torch.Tensor | None:
+        """A float bias [M] added to the logits of the visible keys, or None."""
+        return None
+
+    def key_labels(
+        self, key_tokens: torch.Tensor, query_start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temporal RoPE position, kind code) of each visible key (shaped as `key_tokens`), as
+        the queries of the call starting at token `query_start` see it: by default its own frame,
+        `own` for the call's own tokens and `recent` for the others."""
+        positions = key_tokens // self.frame_seq_length
+        kinds = torch.where(key_tokens >= query_start, _OWN, _RECENT)
+        return positions, kinds
+
+    def begin_pass(self, kind: str) -> None:
+        """Told before every model call of a rollout which kind of pass it is (`denoise` or
+        `cache`); caches that choose by the attention of one kind of pass listen."""
+
+
+class KVCache(CacheEngine):
     """Self-attention key/value cache of one layer, with Self-Forcing's rolling semantics.
 
     `slot_token` records the absolute token each slot holds, so captured keys can be mapped back
@@ -133,9 +169,11 @@ class KVCache:
         visible = slice(max(0, local_end - self.max_attention_size), local_end)
         return self.k[:, visible], self.v[:, visible], self.slot_token[visible]
 
-    def begin_pass(self, kind: str) -> None:
-        """Told before every model call of a rollout which kind of pass it is (`denoise` or
-        `cache`); caches that choose by the attention of one kind of pass listen."""
+    def key_labels(self, key_tokens, query_start):
+        positions, kinds = super().key_labels(key_tokens, query_start)
+        if self.sink_tokens:
+            kinds = torch.where(key_tokens < self.sink_tokens, _SINK, kinds)
+        return positions, kinds
 
 
 @dataclass
@@ -148,8 +186,27 @@ class AttentionContext:
     caches: list[KVCache] | None = None
 
 
-# A capture hook: (layer, q [B, n, H, D], k [B, m, H, D], key_tokens [m], query_start_token).
-CaptureHook = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+@dataclass
+class VisibleKeys:
+    """What the queries of one call see, for a capture: the absolute token of each key ([M], or
+    [M, heads] where each head keeps its own), and where the keys came from: `cache` (None in a
+    full forward, where every key is the call's own at its own position) answers
+    `CacheEngine.key_labels`; `bias` [M] was added to the logits."""
+
+    tokens: torch.Tensor
+    query_start: int
+    cache: CacheEngine | None = None
+    bias: torch.Tensor | None = None
+
+    def labels(self, frame_seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temporal RoPE position, kind code) of each key, shaped as `tokens`."""
+        if self.cache is not None:
+            return self.cache.key_labels(self.tokens, self.query_start)
+        return self.tokens // frame_seq_length, torch.zeros_like(self.tokens)
+
+
+# A capture hook: (layer, q [B, n, H, D], k [B, m, H, D], the visible keys).
+CaptureHook = Callable[[int, torch.Tensor, torch.Tensor, VisibleKeys], None]
 
 
 class _Attention(nn.Module):
@@ -176,23 +233,29 @@ class SelfAttention(_Attention):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         b, s, _ = x.shape
         shape = (b, s, self.num_heads, self.head_dim)
-        angles = rope_angles(self.head_dim, ctx.grid, ctx.start_frame, x.device)
+        cache = None if ctx.caches is None else ctx.caches[self.layer_index]
+        if cache is None:
+            angles = rope_angles(self.head_dim, ctx.grid, ctx.start_frame, x.device)
+        else:
+            angles = cache.angles(self.head_dim, ctx.grid, ctx.start_frame, x.device)
         # RMS norm over the whole width, then RoPE: exactly what the attention kernel sees.
         q = apply_rope(self.norm_q(self.q(x)).view(shape), angles)
         k_raw = self.norm_k(self.k(x)).view(shape)
         k = apply_rope(k_raw, angles)
         v = self.v(x).view(shape)
         query_start = ctx.start_frame * ctx.grid[1] * ctx.grid[2]
-        if ctx.caches is not None:
-            cache = ctx.caches[self.layer_index]
+        if cache is not None:
             k_all, v_all, key_tokens = cache.update(k, v, query_start, q=q, k_raw=k_raw)
-            mask = None
+            bias = cache.logit_bias(key_tokens, query_start)
+            # A float mask is added to the scaled logits.
+            mask = None if bias is None else bias.to(q.dtype)[None, None, None, :]
         else:
             k_all, v_all = k, v
             key_tokens = torch.arange(query_start, query_start + s, device=x.device)
-            mask = ctx.attn_mask
+            mask, bias = ctx.attn_mask, None
         if self.capture is not None:
-            self.capture(self.layer_index, q, k_all, key_tokens, query_start)
+            visible = VisibleKeys(key_tokens, query_start, cache, bias)
+            self.capture(self.layer_index, q, k_all, visible)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
         )

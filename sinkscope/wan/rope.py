@@ -3,6 +3,10 @@
 head_dim d is split into d - 4*(d//6) temporal channels and 2*(d//6) channels each for height and
 width (44 / 42 / 42 at d = 128); channels (2i, 2i+1) form one complex number. Angles are computed
 and applied in float64, as in the reference.
+
+Wan builds a table of 1024 positions; the table is analytic (position x frequency), so sinkscope
+computes it as far as a rollout needs (`table_rows`: 1024, doubled until the positions fit, as
+Rolling-Sink's 8192): positions past 1024 are the same formula, and rollouts have no length limit.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import functools
 
 import torch
 
-MAX_POSITIONS = 1024  # rows of the reference table: the hard limit on latent frames
+WAN_TABLE_ROWS = 1024  # rows of Wan's own table; longer rollouts get a longer one
 
 
 def axis_dims(head_dim: int) -> tuple[int, int, int]:
@@ -26,12 +30,20 @@ def _axis_table(positions: int, dim: int, theta: float) -> torch.Tensor:
     return torch.polar(torch.ones_like(angles), angles)
 
 
+def table_rows(positions: int) -> int:
+    """Rows of the table that holds `positions` positions: Wan's 1024, doubled until they fit."""
+    rows = WAN_TABLE_ROWS
+    while rows < positions:
+        rows *= 2
+    return rows
+
+
 @functools.lru_cache(maxsize=8)
 def rope_tables(
-    head_dim: int, device: torch.device, theta: float = 10000.0
+    head_dim: int, device: torch.device, theta: float = 10000.0, rows: int = WAN_TABLE_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """complex128 tables [MAX_POSITIONS, channels/2] for the frame, height and width axes."""
-    return tuple(_axis_table(MAX_POSITIONS, d, theta).to(device) for d in axis_dims(head_dim))
+    """complex128 tables [rows, channels/2] for the frame, height and width axes."""
+    return tuple(_axis_table(rows, d, theta).to(device) for d in axis_dims(head_dim))
 
 
 def rope_angles(
@@ -39,12 +51,10 @@ def rope_angles(
 ) -> torch.Tensor:
     """Rotations [F*H*W, 1, head_dim/2] (complex128) of a token grid starting at start_frame."""
     frames, height, width = grid
-    if start_frame + frames > MAX_POSITIONS:
-        raise ValueError(
-            f"frames {start_frame}..{start_frame + frames - 1} exceed the RoPE table "
-            f"of {MAX_POSITIONS} latent frames"
-        )
-    table_f, table_h, table_w = rope_tables(head_dim, torch.device(device))
+    if start_frame < 0:
+        raise ValueError(f"RoPE positions start at 0, not at frame {start_frame}")
+    rows = table_rows(max(start_frame + frames, height, width))
+    table_f, table_h, table_w = rope_tables(head_dim, torch.device(device), rows=rows)
     per_axis = [
         table_f[start_frame : start_frame + frames]
         .view(frames, 1, 1, -1)
@@ -70,10 +80,31 @@ def rotate_frames(x: torch.Tensor, shift: int) -> torch.Tensor:
     un-rotated keys: what a cache needs to move keys it stored post-RoPE (Deep Forcing's deep sink).
     """
     head_dim = x.shape[-1]
-    if abs(shift) >= MAX_POSITIONS:
-        raise ValueError(f"a shift of {shift} frames exceeds the RoPE table of {MAX_POSITIONS}")
-    table_f, table_h, table_w = rope_tables(head_dim, x.device)
+    table_f, table_h, table_w = rope_tables(head_dim, x.device, rows=table_rows(abs(shift) + 1))
     turn = table_f[abs(shift)]
     turn = turn.conj() if shift < 0 else turn
     still = torch.ones(table_h.shape[1] + table_w.shape[1], dtype=turn.dtype, device=x.device)
     return apply_rope(x, torch.cat([turn, still]).view(1, 1, -1))
+
+
+def head_angles(
+    head_dim: int,
+    grid: tuple[int, int, int],
+    start_frame: int,
+    device: torch.device,
+    temporal_thetas: torch.Tensor,
+) -> torch.Tensor:
+    """Rotations [F*H*W, heads, head_dim/2] (complex128) where head h's temporal axis has its
+    own base `temporal_thetas[h]` (float64) in place of 10000: LoL's per-head jitter of the RoPE
+    base frequency. The height and width axes are Wan's."""
+    frames, height, width = grid
+    angles = rope_angles(head_dim, grid, start_frame, device)
+    temporal = axis_dims(head_dim)[0]
+    exponents = torch.arange(0, temporal, 2, dtype=torch.float64, device=device) / temporal
+    positions = torch.arange(start_frame, start_frame + frames, dtype=torch.float64, device=device)
+    thetas = temporal_thetas.to(device=device, dtype=torch.float64)
+    phase = positions[:, None, None] * thetas[None, :, None] ** -exponents  # [F, heads, d_t/2]
+    per_token = torch.polar(torch.ones_like(phase), phase).repeat_interleave(height * width, 0)
+    out = angles.expand(-1, len(thetas), -1).clone()
+    out[..., : temporal // 2] = per_token
+    return out

@@ -39,7 +39,9 @@ from .entries import (
     token_passes,
     uses_text_encoder,
 )
+from .plan import free_bytes, job_disk_bytes
 from .preflight import file_problems, merge_prompts, raise_problems
+from .resources import gpu_memory_bytes
 
 # A name becomes a folder or file name in every output path, so it must be one safe path component.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -328,6 +330,7 @@ def _check_closed_loop(config: dict) -> None:
             f"(video.frames_per_block={own})"
         )
     _layout(config, loop["num_frames"], "closed_loop.num_frames")
+    _check_long_closed_loop(config, names, budget)
     for checkpoint in {checkpoint for checkpoint, _ in closed_loop_runs(config)}:
         num_layers = model_config(config, checkpoint).num_layers
         bad = [layer for layer in loop["survey"] if layer >= num_layers]
@@ -335,6 +338,44 @@ def _check_closed_loop(config: dict) -> None:
             raise ConfigError(
                 f"closed_loop.survey: {bad} out of range for checkpoint '{checkpoint}' "
                 f"with {num_layers} layers (0-based)"
+            )
+
+
+def _check_long_closed_loop(config: dict, names: list[str], budget: int) -> None:
+    """What a long closed loop must fit: its budget in its length, its jitter and bias in their
+    ranges, the full-cache reference in the GPU's memory and every rollout's files on the disk."""
+    loop = config["closed_loop"]
+    frames = loop["num_frames"]
+    if budget > frames:
+        raise ConfigError(
+            f"closed_loop.budget={budget} frames exceeds closed_loop.num_frames={frames}: the "
+            "policies would never drop a key (a longer rollout, or a smaller budget)"
+        )
+    if "head_jitter" in names and not 0 <= loop["jitter"] < 1:
+        raise ConfigError(f"closed_loop.jitter={loop['jitter']} is not in [0, 1)")
+    if "logit_bias" in names and not 0 < loop["bias"] <= 1:
+        raise ConfigError(f"closed_loop.bias={loop['bias']} is not in (0, 1]")
+    runs = closed_loop_runs(config)
+    for checkpoint in sorted({checkpoint for checkpoint, _ in runs}):
+        if loop["reference"] == "full":
+            need = gpu_memory_bytes(config, checkpoint, "closed_loop", frames)
+            have = loop["gpu_memory_gb"] * 1e9
+            if need["total"] > have:
+                raise ConfigError(
+                    f"closed_loop.reference: full at closed_loop.num_frames={frames} needs about "
+                    f"{need['total'] / 1e9:.1f} GB of GPU memory for {checkpoint} (its full KV "
+                    f"cache {need['kv_cache'] / 1e9:.1f} GB), more than "
+                    f"closed_loop.gpu_memory_gb={loop['gpu_memory_gb']}: set "
+                    "closed_loop.reference: none (the diagnostics need no reference)"
+                )
+    if runs:
+        where, free = free_bytes("results")
+        need = sum(job_disk_bytes(config, checkpoint, "closed_loop") for checkpoint, _ in runs)
+        if need > free:
+            raise ConfigError(
+                f"closed_loop.num_frames={frames}: the closed loop writes up to "
+                f"{need / 1e9:.1f} GB (latents and attention stores of {len(runs)} run(s)), "
+                f"more than the {free / 1e9:.1f} GB free on {where}"
             )
 
 

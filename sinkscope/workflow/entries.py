@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sinkscope.cache_choices import (
-    FRAME_POLICIES,
     PARTICIPATIVE_POLICIES,
     RECENT_POLICIES,
     SINK_POLICIES,
@@ -124,11 +123,15 @@ def closed_loop_runs(config: dict) -> list[tuple[str, str]]:
     return [(c, p) for c, p in runs]
 
 
-def captured_rollouts(config: dict) -> list[str]:
-    """The closed loop's rollouts whose attention can be captured, in rollout order: `full` and
-    the policies whose caches hold whole frames (`FRAME_POLICIES`); none without policies."""
+def closed_loop_rollouts(config: dict) -> list[str]:
+    """The closed loop's rollouts of a run, in rollout order (every one captured with
+    `closed_loop.survey`): the full-cache reference first (`closed_loop.reference: full`), then
+    every policy; none without policies."""
     policies = closed_loop_policies(config)
-    return [name for name in ["full", *policies] if name in FRAME_POLICIES] if policies else []
+    if not policies:
+        return []
+    reference = config["closed_loop"].get("reference", "full") == "full"
+    return ["full", *policies] if reference else policies
 
 
 def closed_loop_policy(config: dict, name: str) -> dict:
@@ -147,6 +150,10 @@ def closed_loop_policy(config: dict, name: str) -> dict:
         entry["reuse_cap"] = offline["reuse_cap"]
     if name in TURNING_POLICIES:
         entry["turn"] = loop["sink_turn"]
+    if name == "head_jitter":
+        entry["jitter"] = loop["jitter"]
+    if name == "logit_bias":
+        entry["bias"] = loop["bias"]
     return entry
 
 

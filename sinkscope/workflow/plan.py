@@ -13,13 +13,15 @@ from pathlib import Path
 from sinkscope.frames import (
     attention_chunk_frames,
     attention_store_disk_bytes,
+    closed_loop_key_frames,
     export_bytes,
     token_store_disk_bytes,
 )
 
 from .entries import (
-    captured_rollouts,
     closed_loop_policies,
+    closed_loop_policy,
+    closed_loop_rollouts,
     closed_loop_runs,
     export_layers,
     survey_layers,
@@ -47,7 +49,7 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
     """Upper bound of what one job of checkpoint `name` writes: `extract` (one token store),
     `survey` (`layers` attention stores), `closed_loop` (the closed loop of one run: the latents
     of every rollout of `closed_loop.num_frames` frames, the full cache's and every policy's, and
-    the attention stores of `closed_loop.survey` in the full-cache and frame-level rollouts)."""
+    the attention stores of `closed_loop.survey` over the cache's slots in every rollout)."""
     frames = config["closed_loop"]["num_frames"] if job == "closed_loop" else None
     if job == "extract":
         if not config["capture"]["tokens"]:
@@ -69,9 +71,25 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
         latents = (
             LATENT_CHANNELS * g.num_frames * video["latent_height"] * video["latent_width"] * 4
         )
-        rollouts = ["full", *closed_loop_policies(config)]
-        stores = len(captured_rollouts(config)) * len(config["closed_loop"]["survey"])
-        return len(rollouts) * latents + stores * attention
+        rollouts = closed_loop_rollouts(config)
+        layers = len(config["closed_loop"]["survey"])
+        stores = 0
+        for policy in rollouts:
+            # Stores over the cache's slots: linear in the frames.
+            slots = closed_loop_key_frames(
+                closed_loop_policy(config, policy),
+                g.num_frames,
+                config["video"]["frames_per_block"],
+            )
+            stores += layers * attention_store_disk_bytes(
+                num_passes=g.num_passes,
+                num_heads=g.num_heads,
+                num_frames=g.num_frames,
+                frame_seq_length=g.frame_seq_length,
+                frames_per_block=attention_chunk_frames(g.sizes),
+                key_slots=slots * g.frame_seq_length,
+            )
+        return len(rollouts) * latents + stores
     raise ValueError(f"unknown job kind {job!r}")
 
 
@@ -116,7 +134,7 @@ def storage_plan(config: dict) -> list[Family]:
     return [family for family in (tokens, attention, loop, exports) if family.jobs]
 
 
-def _free_bytes(folder: str) -> tuple[Path, int]:
+def free_bytes(folder: str) -> tuple[Path, int]:
     """Free bytes on the filesystem of `folder` (its nearest existing parent)."""
     path = Path(folder).absolute()
     while not path.exists():
@@ -149,7 +167,7 @@ def format_plan(config: dict) -> str:
         largest = max(((job, b) for f in default for job, b in f.jobs.items()), key=lambda x: x[1])
         lines.append(f"  largest job: {largest[0]}, {_size(largest[1])}")
         total = sum(f.total for f in default)
-        where, free = _free_bytes("results")
+        where, free = free_bytes("results")
         verdict = "fits" if total <= free else "DOES NOT FIT: free space or fewer layers/passes"
         lines.append(
             f"  default target: {_size(total)}; {_size(free)} free on {where} ({verdict}); each "

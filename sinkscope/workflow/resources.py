@@ -14,11 +14,18 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sinkscope.frames import attention_store_bytes, block_sizes, export_bytes, token_store_bytes
+from sinkscope.frames import (
+    attention_store_bytes,
+    block_sizes,
+    closed_loop_key_frames,
+    export_bytes,
+    token_store_bytes,
+)
 from sinkscope.passes import resolve_passes
 
 from .entries import (
-    closed_loop_policies,
+    closed_loop_policy,
+    closed_loop_rollouts,
     model_config,
     sampler_settings,
     survey_layers,
@@ -137,13 +144,19 @@ def extract_runtime(config: dict, name: str) -> int:
     return EXTRACT_SETUP_MINUTES + math.ceil(store_mb / WRITE_MB_PER_S / 60)
 
 
+# Seconds per latent frame of a closed-loop rollout on one GPU, capture and writes included: about
+# four times Self-Forcing's 15.8 FPS (0.25 s per latent frame); the full cache's twice that, as its
+# attention grows with the video (not measured: no GPU has run the 1.3B model here).
+CLOSED_LOOP_SECONDS_PER_FRAME = 1.0
+
+
 def closed_loop_runtime(config: dict, name: str) -> int:
     """Minutes: setup and the closed loop of one run: a rollout of closed_loop.num_frames per
-    policy and one of the full cache (minutes on a GPU) with its captured layers, each at most a
-    survey's time per frame."""
-    frames = config["closed_loop"]["num_frames"] / config["video"]["num_frames"]
-    rollouts = 1 + len(closed_loop_policies(config))
-    return 2 * EXTRACT_SETUP_MINUTES + rollouts * math.ceil(frames * survey_runtime(config, name))
+    policy and, with reference full, one of the full cache (twice as long)."""
+    frames = config["closed_loop"]["num_frames"]
+    weight = sum(2 if policy == "full" else 1 for policy in closed_loop_rollouts(config))
+    seconds = weight * frames * CLOSED_LOOP_SECONDS_PER_FRAME
+    return 2 * EXTRACT_SETUP_MINUTES + math.ceil(seconds / 60)
 
 
 def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:
@@ -192,7 +205,7 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
     """An estimate of what one job of checkpoint `name` holds on its GPU, by part (bytes):
     `weights` (the DiT in bf16), `kv_cache` (every layer's self-attention keys and values, as
     `WanModel.new_kv_caches` allocates them: all frames, or the sampler's local window; all
-    frames for the closed loop's full-cache reference),
+    frames for the closed loop's full-cache reference, the largest policy cache without one),
     `text_cache` (cross-attention keys and values of the prompt), `capture` (the largest
     transient of the capture: a query frame x visible keys tile in fp32 with its fp16 copy for a
     token store (`extract`), or the two fp32 buffers of the exact softmax for an attention store
@@ -205,9 +218,15 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
     g = store_geometry(config, name, num_frames)
     sampler = sampler_settings(config, name)
     window = sampler["local_attn_size"]
-    # The closed loop's reference keeps every frame, whatever the sampler's window.
-    full = window == -1 or job == "closed_loop"
-    cached_frames = g.num_frames if full else min(window, g.num_frames)
+    if job == "closed_loop":
+        # The reference keeps every frame, whatever the sampler's window; without it the
+        # largest of the policies' caches.
+        cached_frames = max(
+            closed_loop_key_frames(closed_loop_policy(config, policy), g.num_frames, max(g.sizes))
+            for policy in closed_loop_rollouts(config) or ["full"]
+        )
+    else:
+        cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
     tokens = cached_frames * g.frame_seq_length
     visible_keys = tokens  # a query frame sees at most the cache
     parts = {

@@ -1,6 +1,6 @@
 """The closed-loop figures (`closed_loop` scope): rollouts longer than the cache under a KV-cache
-policy, drawn from their deviation tables and summary (Contract 6,
-`sinkscope.analysis.closed_loop`), not from frame datasets.
+policy, drawn from their frame tables, summary and block diagnostics (Contract 6,
+`sinkscope.analysis.closed_loop`, `sinkscope.analysis.diagnostics`), not from frame datasets.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from sinkscope.analysis.closed_loop import OFFLINE_POLICY, RUN_KEYS, evicting_frame, policy_label
+from sinkscope.analysis.closed_loop import (
+    FULL,
+    RUN_KEYS,
+    evicting_frame,
+    policy_order,
+    rollout_label,
+)
+from sinkscope.diagnostics import DISTANCE_THRESHOLD, PHASE_FROM, collapse_candidates
 
 from .common import COLUMN_WIDTH_IN, FULL_WIDTH_IN, legend_handles, panel_grid, styled
 
@@ -28,12 +35,17 @@ CLOSED_LOOP_RECALL_LABEL = "Offline recall where the policy drops keys"
 # The families of plot_policy_recall: window black, sinks blue (turned: purple), Participative
 # Compression green (with Deep Sink: dark green), top-C orange.
 CLOSED_LOOP_COLORS = {
+    "full": "0.5",
     "window": "black",
     "sink_window": "#2171b5",
     "deep_sink": "#6a3d9a",
     "participative": "#41ab5d",
     "deep_forcing": "#006d2c",
     "top_c": "#d95f02",
+    "relative": "#e7298a",
+    "replay": "#a6761d",
+    "head_jitter": "#e6ab02",
+    "logit_bias": "#17becf",
 }
 CLOSED_LOOP_MARKERS = {
     "window": "o",
@@ -42,6 +54,10 @@ CLOSED_LOOP_MARKERS = {
     "participative": "v",
     "deep_forcing": "P",
     "top_c": "^",
+    "relative": "<",
+    "replay": ">",
+    "head_jitter": "*",
+    "logit_bias": "X",
 }
 CLOSED_LOOP_LOG_DECADES = 1.0  # a log axis when the non-zero values span more than this
 EVICTION_STYLE = {"color": "0.45", "linewidth": 0.6, "linestyle": "--"}
@@ -51,16 +67,18 @@ MARKED_BLOCKS = 16  # the deviation lines mark the first frame of at most this m
 POLICY_KEYS = RUN_KEYS[2:]  # what tells the policies of one run apart
 
 
-def _closed_loop_policies(table: pd.DataFrame) -> list[tuple[str, int, int, int, int]]:
-    """(policy, budget, sink_frames, recent_frames, capacity) of every closed-loop policy of
-    `table`, in the order of `OFFLINE_POLICY` (window, sink_window, deep_sink, participative,
-    deep_forcing, top_c), then by budget, S, R and capacity."""
-    order = {policy: i for i, policy in enumerate(OFFLINE_POLICY)}
-    keys = {
-        (str(policy), *(int(value) for value in values))
-        for policy, *values in table[POLICY_KEYS].itertuples(index=False)
-    }
-    return sorted(keys, key=lambda key: (order.get(key[0], len(order)), *key[1:]))
+def _policy_key(policy, budget, sink, recent, capacity, jitter, bias) -> tuple:
+    """(policy, budget, sink_frames, recent_frames, capacity, jitter, bias), typed."""
+    counts = (int(value) for value in (budget, sink, recent, capacity))
+    return (str(policy), *counts, float(jitter), float(bias))
+
+
+def _closed_loop_policies(table: pd.DataFrame) -> list[tuple]:
+    """`_policy_key` of every closed-loop policy of `table`, in the order of
+    `cache_choices.CLOSED_LOOP_POLICIES` (full, window, sink_window, deep_sink, participative,
+    deep_forcing, top_c, then the newer ones), then by budget, S, R, capacity, jitter and bias."""
+    keys = {_policy_key(*values) for values in table[POLICY_KEYS].itertuples(index=False)}
+    return sorted(keys, key=lambda key: (policy_order(key[0]), *key[1:]))
 
 
 def _rows_of(table: pd.DataFrame, key: tuple) -> pd.DataFrame:
@@ -90,7 +108,7 @@ def _closed_loop_styles(keys: Sequence[tuple]) -> dict[tuple, dict]:
 
 
 def _closed_loop_label(key: tuple) -> str:
-    return policy_label(*key)
+    return rollout_label(*key)
 
 
 def closed_loop_runs(table: pd.DataFrame, what: str) -> list[tuple[str, str]]:
@@ -151,7 +169,23 @@ def plot_closed_loop_deviation(
     Compression's capacity) evicts keys for, a dotted one at the training length
     `train_frames`. The y axis is logarithmic when the non-zero values span more
     than a decade; the exact zeros (frames before the first eviction) are then left out. Without
-    `titles` a single run's panel is not named (the caption names it)."""
+    `titles` a single run's panel is not named (the caption names it). The full cache's own
+    rows and those without a reference (`closed_loop.reference: none`: NaN) are not drawn;
+    without any other the figure says so."""
+    closed_loop_runs(table, "deviation table")
+    table = table[(table["policy"] != FULL) & table["rel_l2"].notna()]
+    if table.empty:
+        fig = Figure(figsize=(COLUMN_WIDTH_IN, 1.2), layout="constrained")
+        fig.text(
+            0.5,
+            0.5,
+            "No full-cache reference (closed_loop.reference: none):\nno deviation to draw",
+            ha="center",
+            va="center",
+            color="0.35",
+        )
+        fig.suptitle(CLOSED_LOOP_TITLE)
+        return fig
     runs = closed_loop_runs(table, "deviation table")
     keys = _closed_loop_policies(table)
     styles = _closed_loop_styles(keys)
@@ -169,7 +203,7 @@ def plot_closed_loop_deviation(
         run = table[(table["checkpoint"] == checkpoint) & (table["prompt"] == prompt)]
         run_evictions: dict[int, int] = {}
         for key in keys:
-            capacity = key[-1]
+            capacity = key[4]
             rows = _rows_of(run, key).sort_values("frame")
             if rows.empty:
                 continue
@@ -280,7 +314,7 @@ def _left_out_note(
     the runs left out when the figure has several, wrapped under the figure."""
     reasons: dict[str, dict[tuple, list[str]]] = {"no offline recall": {}, "never evicts": {}}
     for row in rows.itertuples(index=False):
-        key = (str(row.policy), *(int(getattr(row, column)) for column in POLICY_KEYS[1:]))
+        key = _policy_key(*(getattr(row, column) for column in POLICY_KEYS))
         why = "never evicts" if not np.isfinite(row.rel_l2_mean) else "no offline recall"
         name = names[(str(row.checkpoint), str(row.prompt))].replace(" ", "\N{NO-BREAK SPACE}")
         reasons[why].setdefault(key, []).append(name)  # a run's name stays on one line
@@ -387,9 +421,166 @@ def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figu
     return fig
 
 
-# The table each closed-loop figure draws (`render_figures` reads it): the stacked deviation
-# tables or the summary.
+COLLAPSE_TITLE = "Closed loop: reference-free collapse diagnostics"
+COLLAPSE_COLUMNS = 4  # rollouts per row of panels
+DIP_STYLE = {"color": "#cb181d", "linewidth": 0.6, "linestyle": "--"}
+PEAK_STYLE = {"color": "#6a51a3", "linewidth": 0.6, "linestyle": "-."}
+
+
+def _block_steps(rows: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A per-block value as steps over its frames (steps-post, frame f spanning f - 0.5 ..
+    f + 0.5): x the blocks' first frames and the end of the last, y repeating the last value."""
+    rows = rows.sort_values("first_frame")
+    end = rows["first_frame"].iloc[-1] + rows["frames"].iloc[-1]
+    x = np.append(rows["first_frame"].to_numpy(dtype=float), end) - 0.5
+    y = rows[column].to_numpy(dtype=float)
+    return x, np.append(y, y[-1])
+
+
+def _note(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.45")
+
+
+def _collapse_column(axes, key, table, blocks, train_frames, run_styles, layer_colors) -> None:
+    """One rollout's column of `plot_closed_loop_collapse`: per run (`run_styles`: run -> line
+    style) its sink distance, phase concentration and collapse candidates; the sink-head share of
+    each layer, averaged over the captured passes and the runs."""
+    distance_ax, share_ax, phase_ax = axes
+    shares = []
+    for (checkpoint, prompt), style in run_styles.items():
+        rows = _rows_of(
+            table[(table["checkpoint"] == checkpoint) & (table["prompt"] == prompt)], key
+        )
+        mine = _rows_of(
+            blocks[(blocks["checkpoint"] == checkpoint) & (blocks["prompt"] == prompt)], key
+        )
+        if rows.empty:
+            continue
+        rows = rows.sort_values("frame")
+        frame, distance = rows["frame"].to_numpy(), rows["sink_distance"].to_numpy(dtype=float)
+        distance_ax.plot(frame, distance, linewidth=0.7, **style)
+        per_block = mine.drop_duplicates("block").sort_values("first_frame")
+        first = per_block["first_frame"].to_numpy()
+        phase = per_block["phase_concentration"].to_numpy(dtype=float)
+        if not per_block.empty:
+            x, y = _block_steps(per_block, "phase_concentration")
+            phase_ax.plot(x, y, drawstyle="steps-post", linewidth=0.7, **{**style, "label": "_"})
+        start = train_frames if train_frames is not None else int(np.argmax(distance > 0))
+        found = collapse_candidates(
+            frame, distance, first, phase, start=start, phase_from=max(start, PHASE_FROM)
+        )
+        for name, line_style in (("sink_distance", DIP_STYLE), ("phase_concentration", PEAK_STYLE)):
+            for f in found[name]:
+                for ax in axes:
+                    ax.axvline(f, label=f"_{name} candidate", zorder=1, **line_style)
+        dips = found["sink_distance"]
+        bottoms = distance[np.searchsorted(frame, dips)]
+        distance_ax.plot(dips, bottoms, "v", color=DIP_STYLE["color"], markersize=3, label="_dip")
+        shares.append(mine[mine["layer"].notna()])
+    captured = pd.concat(shares) if shares else pd.DataFrame()
+    for layer, rows in captured.groupby("layer") if not captured.empty else []:
+        mean = rows.groupby(["block", "first_frame", "frames"], as_index=False)["sink_share"]
+        x, y = _block_steps(mean.mean(), "sink_share")
+        color = layer_colors[int(layer)]
+        share_ax.plot(x, y, drawstyle="steps-post", color=color, linewidth=0.7, label=f"L{layer}")
+    if captured.empty:
+        _note(share_ax, "no attention captured")
+    if not phase_ax.lines:
+        _note(phase_ax, "no block positions")
+
+
+@styled
+def plot_closed_loop_collapse(
+    table: pd.DataFrame,
+    *,
+    blocks: pd.DataFrame | None = None,
+    train_frames: int | None = None,
+    sink_threshold: float = 0.3,
+    titles: bool = True,
+) -> Figure:
+    """LoL's three collapse diagnostics against the latent frame, one column per rollout (the
+    full cache's included; rows of `COLLAPSE_COLUMNS`): `sink_distance` per frame (the stacked
+    frame tables, `read_deviation`); the share of sink heads (mass on the sink frames >=
+    `sink_threshold`) of each captured layer per block (`blocks`, the block table of
+    `analysis.diagnostics`), the mean over the captured passes (and the runs); the RoPE phase
+    concentration per block. One line per run (the policy's colour for a single run; several
+    runs: a colour and a dash each). Collapse candidates
+    (`sinkscope.diagnostics.collapse_candidates`, from the training length `train_frames` on, or
+    after the sink frames without it; the phase maxima from max(that, `PHASE_FROM`) on): a red
+    dashed line at each sink-distance dip and a purple dash-dotted one at each phase maximum,
+    across the column; a dotted line at the training length. Without `titles` a single run is
+    not named (the caption names it)."""
+    runs = closed_loop_runs(table, "frame table")
+    keys = _closed_loop_policies(table)
+    if blocks is None:
+        blocks = pd.DataFrame(columns=[*RUN_KEYS, "block", "first_frame", "frames", "layer"])
+        blocks["phase_concentration"] = pd.Series(dtype=float)
+    layers = sorted({int(layer) for layer in blocks["layer"].dropna()})
+    shades = matplotlib.colormaps["viridis"](np.linspace(0, 0.85, len(layers)))
+    layer_colors = dict(zip(layers, ["black"] if len(layers) == 1 else shades, strict=True))
+    names = _run_names(runs)
+    dashes = ["-", "--", ":", "-."]
+    ncols = min(len(keys), COLLAPSE_COLUMNS)
+    groups = math.ceil(len(keys) / ncols)
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.5 * groups + 0.8), layout="constrained")
+    # one grid (subfigures lay out differently at each draw, by rounding): 3 rows per rollout row
+    axes = fig.subplots(3 * groups, ncols, sharex=True, squeeze=False)
+    grids = [axes[3 * group : 3 * group + 3] for group in range(groups)]
+    distances = table["sink_distance"].to_numpy(dtype=float)
+    top = max(1.25, 1.05 * float(np.nanmax(distances, initial=0.0)))
+    phases = blocks["phase_concentration"].to_numpy(dtype=float)
+    low = min(-0.05, float(np.nanmin(phases, initial=0.0)) - 0.05)
+    for index, key in enumerate(keys):
+        grid, column = grids[index // ncols], index % ncols
+        if len(runs) == 1:
+            color = CLOSED_LOOP_COLORS.get(key[0], "0.3")
+            run_styles = {runs[0]: {"color": color, "label": "_run"}}
+        else:
+            run_styles = {
+                run: {"color": f"C{i % 10}", "linestyle": dashes[i % 4], "label": names[run]}
+                for i, run in enumerate(runs)
+            }
+        _collapse_column(
+            grid[:, column], key, table, blocks, train_frames, run_styles, layer_colors
+        )
+        grid[0, column].set_title(textwrap.fill(_closed_loop_label(key), 26))
+        grid[0, column].axhline(DISTANCE_THRESHOLD, color="0.6", linewidth=0.5, linestyle=":")
+        for ax, limits in zip(grid[:, column], [(0, top), (-0.03, 1.03), (low, 1.05)], strict=True):
+            if train_frames is not None:
+                ax.axvline(train_frames, label="_training length", zorder=1, **TRAINING_STYLE)
+            ax.set_xlim(-0.5, int(table["frame"].max()) + 0.5)
+            ax.set_ylim(*limits)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+            ax.grid(axis="y", color="0.92", linewidth=0.4)
+            ax.tick_params(labelleft=column == 0)
+        grid[2, column].tick_params(labelbottom=True)
+        if index + ncols >= len(keys):  # no panel below: this one labels the x axis
+            grid[2, column].set_xlabel("Latent frame")
+    for grid in grids:
+        grid[0, 0].set_ylabel("Sink\ndistance")
+        grid[1, 0].set_ylabel("Sink-head\nshare")
+        grid[2, 0].set_ylabel("Phase con-\ncentration")
+    for ax in grids[-1][:, len(keys) - ncols * (groups - 1) :].ravel():
+        ax.remove()  # the last row of rollouts is not full
+    handles = legend_handles(fig.axes)
+    marked = {line.get_label() for ax in fig.axes for line in ax.lines}
+    if "_sink_distance candidate" in marked:
+        handles[f"sink-distance dip ≤ {DISTANCE_THRESHOLD:g}"] = Line2D([], [], **DIP_STYLE)
+    if "_phase_concentration candidate" in marked:
+        handles["phase maximum"] = Line2D([], [], **PEAK_STYLE)
+    if train_frames is not None:
+        handles[f"training length ({int(train_frames)} frames)"] = Line2D([], [], **TRAINING_STYLE)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=5)
+    passes = "passes and runs" if len(runs) > 1 else "passes"
+    where = f"{runs[0][0]} · {runs[0][1]} · " if titles and len(runs) == 1 else ""
+    fig.suptitle(f"{COLLAPSE_TITLE}\n{where}sink-head share: mean over the captured {passes}")
+    return fig
+
+
+# The table each closed-loop figure draws (`render_figures` reads it): the stacked frame tables
+# (deviation) or the summary; the collapse figure gets the block table as `blocks` too.
 TABLES = {
     "plot_closed_loop_deviation": "deviation",
     "plot_closed_loop_recall": "summary",
+    "plot_closed_loop_collapse": "deviation",
 }

@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from sinkscope.analysis import figures
 from sinkscope.analysis.closed_loop import read_closed_loop_summary, read_deviation
+from sinkscope.analysis.diagnostics import read_block_diagnostics
 from sinkscope.analysis.policies import read_policies
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
 
@@ -90,6 +91,7 @@ def render_figures(
     policy_layers: Sequence[int] | None = None,
     deviation_tables: Sequence[str | os.PathLike] = (),
     closed_loop_summary: str | os.PathLike | None = None,
+    closed_loop_blocks: str | os.PathLike | None = None,
     train_frames: int | None = None,
     annotate: Sequence[str] = ("max",),
     titles: bool = True,
@@ -112,8 +114,10 @@ def render_figures(
     sweep and map; default `default_policy_budget`) and `policy_layers` (default
     `default_policy_layers`); they need no frame dataset. Closed-loop figures draw the
     deviation tables `deviation_tables` (Contract 6, every run and policy: `closed_loop_deviation`)
-    or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), with the training length
-    `train_frames` (latent frames) marked; they need no frame dataset either.
+    or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), the collapse figure
+    the frame tables and the block table `closed_loop_blocks` (`results/closed_loop/blocks.csv`),
+    with the training length `train_frames` (latent frames) marked; they need no frame dataset
+    either.
 
     Options for a paper (`figures` in the config): `annotate` ('max', 'min': what figure4
     annotates), `titles` (False: titles leave out the run's checkpoint, prompt and timestep,
@@ -131,8 +135,10 @@ def render_figures(
     shown = _of_layers(datasets, figure_layers)
     if not datasets and any(kind.scope not in ("policies", "closed_loop") for kind in kinds):
         raise ValueError("no frame datasets given")
-    tables = _closed_loop_tables(kinds, deviation_tables, closed_loop_summary, train_frames)
-    attention = [open_attention_store(path) for path in attention_stores]
+    tables = _closed_loop_tables(
+        kinds, deviation_tables, closed_loop_summary, train_frames, closed_loop_blocks
+    )
+    attention = [open_attention_store(path, key_tokens=True) for path in attention_stores]
     for ds in datasets:
         select_step(ds, step)
     if any(kind.scope == "policies" for kind in kinds):
@@ -167,6 +173,7 @@ def render_figures(
         "budget": policy_budget,
         "layers": policy_layers,
         "train_frames": train_frames,
+        "blocks": tables.get("blocks"),
         "annotate": tuple(annotate),
         "titles": bool(titles),
     }
@@ -202,8 +209,10 @@ def _closed_loop_tables(
     deviation_tables: Sequence[str | os.PathLike],
     summary: str | os.PathLike | None,
     train_frames: int | None,
+    blocks: str | os.PathLike | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """The tables the closed-loop kinds of `kinds` draw, read and checked (none else)."""
+    """The tables the closed-loop kinds of `kinds` draw, read and checked (none else); `blocks`:
+    the block table, for the kinds that take it (`blocks`)."""
     wanted = {closed_loop.TABLES[kind.function] for kind in kinds if kind.scope == "closed_loop"}
     if train_frames is not None and (int(train_frames) != train_frames or train_frames < 1):
         raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
@@ -217,6 +226,10 @@ def _closed_loop_tables(
             raise ValueError("closed-loop recall figures need the closed-loop summary")
         tables["summary"] = read_closed_loop_summary(summary)
         closed_loop.closed_loop_runs(tables["summary"], "summary")
+    if any(kind.scope == "closed_loop" and "blocks" in _accepted(kind) for kind in kinds):
+        if blocks is None:
+            raise ValueError("closed-loop collapse figures need the block table (blocks.csv)")
+        tables["blocks"] = read_block_diagnostics(blocks)
     return tables
 
 

@@ -1,0 +1,317 @@
+"""Reference-free collapse diagnostics of the closed loop (Contract 6; LoL's sink collapse): the
+per-block table `results/closed_loop/blocks.csv` (`BLOCK_DIAGNOSTIC_COLUMNS`) from what the GPU
+job writes per rollout, its full cache's included, with or without a full-cache reference:
+
+- the frame table `{checkpoint}/{prompt}/{policy}.csv` (`FRAME_TABLE_COLUMNS`, read by
+  `closed_loop.read_deviation`): `sink_distance` per latent frame (`sinkscope.diagnostics`);
+- the block positions `{policy}.blocks.csv` (`BLOCK_POSITION_COLUMNS`, `read_block_tables`): per
+  query block its first frame, frames, the temporal RoPE position of its first query frame (the
+  others follow it) and that of the first sink frame (frame 0) as the cache holds it;
+- the attention stores over cache slots `{policy}/layer{L}.zarr` (Contract 4, one per captured
+  layer; `store_sink_mass`): the mass of each (pass, head, query frame) on the sink frames, the
+  nansum of `key_mass` over the slots whose `slot_frame` is a sink frame, read one pass and a
+  bounded run of query frames at a time (a 1,101-frame store never loads whole).
+
+A store belongs to the rollout whose folder holds it: `X/{policy}/layer{L}.zarr` to the tables
+`X/{policy}.csv` and `X/{policy}.blocks.csv`. The sink frames are the first S =
+`closed_loop.sink_frames` latent frames, the same for every rollout of the table (the window's
+too), or the first block's frames when S is 0.
+
+Per (rollout, block) and, where stores were captured, per (layer, captured pass):
+- `sink_distance`: the lowest `sink_distance` of the block's frames;
+- `phase_concentration` (`sinkscope.diagnostics.phase_concentration`): of the block's query
+  positions query_position .. query_position + frames - 1 against sink_position;
+- `sink_share` (LoL's diagnostic 2): the share of the layer's heads whose sink mass, averaged over
+  the block's query frames, is at least the statistics' sink threshold (`stats.is_sink`,
+  `stats.sink_threshold`); NaN where the pass did not capture the block (no slot seen) and on
+  the rows of a rollout without stores (`layer`, `step`, `timestep`, `pass_kind` empty).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import zarr
+
+from sinkscope.analysis.closed_loop import RUN_KEYS, policy_order, read_deviation, read_run_table
+from sinkscope.analysis.reduce import open_attention_store
+from sinkscope.analysis.slots import is_slot_store
+from sinkscope.analysis.stats import is_sink
+from sinkscope.diagnostics import HEAD_DIM, phase_concentration
+from sinkscope.storage import write_text_atomically
+from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS
+
+BLOCKS_SUFFIX = ".blocks.csv"  # {policy}.blocks.csv beside the rollout's {policy}.csv
+_BLOCK_INTEGERS = ["budget", "sink_frames", "recent_frames", "capacity"]
+_BLOCK_INTEGERS += ["block", "first_frame", "frames", "query_position", "sink_position"]
+_READ_BYTES = 64 << 20  # key_mass and slot_frame bytes read at once from a store
+
+
+def rollout_folder(path: str | os.PathLike) -> Path:
+    """The folder of a rollout's stores: `X/{policy}` for its frame table `X/{policy}.csv`, its
+    block positions `X/{policy}.blocks.csv` and a store `X/{policy}/layer{L}.zarr`."""
+    path = Path(path)
+    if path.suffix == ".zarr":
+        return path.parent
+    if path.name.endswith(BLOCKS_SUFFIX):
+        return path.with_name(path.name.removesuffix(BLOCKS_SUFFIX))
+    return path.with_suffix("")
+
+
+def read_block_tables(paths: Iterable[str | os.PathLike] | str | os.PathLike) -> pd.DataFrame:
+    """The block-position tables `paths` (`BLOCK_POSITION_COLUMNS`), stacked, with a `source`
+    column (the file): counts integers, `jitter` and `bias` floats. Refuses, naming the file, a
+    table that lacks a column, has no rows or a missing or fractional count, a block of one
+    rollout twice, and blocks that do not follow each other (first_frame = the frames before)."""
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    tables = []
+    for path in paths:
+        table = read_run_table(
+            path, BLOCK_POSITION_COLUMNS, "block-position table", _BLOCK_INTEGERS
+        )
+        for _, run in table.groupby(RUN_KEYS, sort=False):
+            run = run.sort_values("block")
+            if run["block"].duplicated().any():
+                raise ValueError(f"{path}: a block of one rollout appears twice")
+            frames = run["frames"].to_numpy()
+            starts = np.concatenate([[0], np.cumsum(frames)[:-1]])
+            if (frames < 1).any() or (run["first_frame"].to_numpy() != starts).any():
+                raise ValueError(
+                    f"{path}: the blocks' first_frame must follow their frames from 0 on"
+                )
+        tables.append(table)
+    if not tables:
+        raise ValueError("read_block_tables needs at least one block-position table")
+    return pd.concat(tables, ignore_index=True)
+
+
+def sink_frame_count(sink_frames: int, first_block_frames: int) -> int:
+    """The sink frames of the diagnostics: `closed_loop.sink_frames`, or the first block's frames
+    when it is 0."""
+    if int(sink_frames) != sink_frames or sink_frames < 0:
+        raise ValueError(f"sink_frames must be a whole number >= 0, got {sink_frames!r}")
+    return int(sink_frames) if sink_frames > 0 else int(first_block_frames)
+
+
+@dataclass(frozen=True)
+class SinkMass:
+    """The mass on the sink frames of one store: `mass` float64 [step, head, query_frame] (NaN
+    where the pass saw no slot for that query frame), with each step's `timestep` and
+    `pass_kind`, and the store's `layer`."""
+
+    layer: int
+    mass: np.ndarray
+    timestep: np.ndarray
+    pass_kind: np.ndarray
+
+
+def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
+    """`SinkMass` of the attention store over cache slots at `path` (checked as
+    `reduce.open_attention_store` checks it): per (step, head, query frame) the nansum of
+    `key_mass` over the slots whose `slot_frame` is in 0 .. sink_frames - 1. Reads one step and
+    a run of query frames at a time (at most about 64 MB)."""
+    ds = open_attention_store(path)
+    if not is_slot_store(ds):
+        raise ValueError(f"attention store {path}: its keys are not cache slots (key_axis)")
+    layer = int(ds.attrs["layer"])
+    timestep = ds["timestep"].values.astype(np.float64)
+    pass_kind = np.array([str(kind) for kind in ds["pass_kind"].values], dtype=object)
+    group = zarr.open_group(str(path), mode="r")
+    key_mass, slot_frame = group["key_mass"], group["slot_frame"]
+    steps, heads, frames, slots = key_mass.shape
+    chunk = max(1, int(key_mass.chunks[2]))
+    per_frame = heads * slots * (key_mass.dtype.itemsize + slot_frame.dtype.itemsize)
+    run = chunk * max(1, _READ_BYTES // max(per_frame * chunk, 1))  # whole chunks
+    mass = np.full((steps, heads, frames), np.nan)
+    for step in range(steps):
+        for first in range(0, frames, run):
+            rows = slice(first, min(first + run, frames))
+            values = np.asarray(key_mass[step, :, rows], dtype=np.float64)
+            owner = np.asarray(slot_frame[step, :, rows])
+            seen = (owner >= 0).any(axis=-1)
+            sink = (owner >= 0) & (owner < sink_frames) & ~np.isnan(values)
+            total = np.where(sink, values, 0.0).sum(axis=-1)
+            mass[step, :, rows] = np.where(seen, total, np.nan)
+    return SinkMass(layer, mass, timestep, pass_kind)
+
+
+def block_sink_shares(
+    mass: np.ndarray,
+    first_frames: Sequence[int],
+    frames: Sequence[int],
+    sink_threshold: float,
+) -> np.ndarray:
+    """[step, block]: the share of the heads whose sink `mass` [step, head, query_frame], averaged
+    over the block's query frames (first_frames[b] .. + frames[b] - 1), is a sink
+    (`stats.is_sink` at `sink_threshold`); NaN where no head has a value (a block the pass did
+    not capture, or one past the store's frames)."""
+    steps, _, stored = mass.shape
+    shares = np.full((steps, len(first_frames)), np.nan)
+    for b, (first, count) in enumerate(zip(first_frames, frames, strict=True)):
+        if first + count > stored:
+            continue
+        block = mass[:, :, first : first + count]  # [step, head, frame]
+        with np.errstate(invalid="ignore"):
+            per_head = block.mean(axis=-1)  # NaN where any frame is not captured
+        valid = ~np.isnan(per_head)
+        sinks = (is_sink(np.where(valid, per_head, 0.0), sink_threshold) & valid).sum(axis=1)
+        counted = valid.sum(axis=1)
+        shares[:, b] = np.where(counted > 0, sinks / np.maximum(counted, 1), np.nan)
+    return shares
+
+
+def _run_text(key: tuple) -> str:
+    return f"{key[0]}/{key[1]} {key[2]}"
+
+
+def block_diagnostics(
+    frame_table: pd.DataFrame,
+    block_table: pd.DataFrame,
+    masses: dict[tuple, list[SinkMass]],
+    *,
+    sink_threshold: float,
+    head_dim: int = HEAD_DIM,
+) -> pd.DataFrame:
+    """The rows of `BLOCK_DIAGNOSTIC_COLUMNS` (module docstring) of every rollout of
+    `block_table` (`read_block_tables`), with its frames in `frame_table` (`read_deviation`)
+    and the sink masses of its captured layers in `masses` (run keys -> `SinkMass`es computed
+    with `sink_frame_count(sink_frames, its first block's frames)` sink frames). Sorted by run (as
+    the summary), block, layer and step."""
+    rows = []
+    runs = sorted(
+        block_table.groupby(RUN_KEYS, sort=False),
+        key=lambda item: (*item[0][:2], policy_order(item[0][2]), *item[0][2:]),
+    )
+    for key, blocks in runs:
+        blocks = blocks.sort_values("block")
+        source = blocks["source"].iloc[0] if "source" in blocks else "the block table"
+        mask = np.ones(len(frame_table), dtype=bool)
+        for column, value in zip(RUN_KEYS, key, strict=True):
+            mask &= (frame_table[column] == value).to_numpy()
+        frames = frame_table[mask]
+        if frames.empty:
+            raise ValueError(f"{source}: rollout {_run_text(key)} has no frame table")
+        by_block = frames.groupby("block").agg(
+            first=("frame", "min"), count=("frame", "size"), low=("sink_distance", "min")
+        )
+        expected = blocks.set_index("block")[["first_frame", "frames"]]
+        got = by_block.reindex(expected.index)
+        if (
+            len(by_block) != len(expected)
+            or (got[["first", "count"]].to_numpy() != expected.to_numpy()).any()
+        ):
+            raise ValueError(
+                f"{source}: the blocks of rollout {_run_text(key)} differ from its frame table's"
+            )
+        base = dict(zip(RUN_KEYS, key, strict=True))
+        first_frames = blocks["first_frame"].to_numpy()
+        counts = blocks["frames"].to_numpy()
+        phases = [
+            phase_concentration(q + np.arange(n), s, head_dim)
+            for q, n, s in zip(
+                blocks["query_position"], counts, blocks["sink_position"], strict=True
+            )
+        ]
+        per_block = [
+            {
+                **base,
+                "block": int(block),
+                "first_frame": int(first),
+                "frames": int(count),
+                "sink_distance": float(low),
+                "phase_concentration": phase,
+            }
+            for block, first, count, low, phase in zip(
+                blocks["block"], first_frames, counts, got["low"], phases, strict=True
+            )
+        ]
+        stores = sorted(masses.get(key, []), key=lambda m: m.layer)
+        if not stores:
+            rows += [{**row, "pass_kind": "", "sink_share": np.nan} for row in per_block]
+            continue
+        shares = {
+            m.layer: block_sink_shares(m.mass, first_frames, counts, sink_threshold) for m in stores
+        }
+        for b, row in enumerate(per_block):
+            for m in stores:
+                for step in range(m.mass.shape[0]):
+                    rows.append(
+                        {
+                            **row,
+                            "layer": m.layer,
+                            "step": step,
+                            "timestep": float(m.timestep[step]),
+                            "pass_kind": str(m.pass_kind[step]),
+                            "sink_share": float(shares[m.layer][step, b]),
+                        }
+                    )
+    table = pd.DataFrame(rows, columns=BLOCK_DIAGNOSTIC_COLUMNS)
+    for column in ("layer", "step"):
+        table[column] = table[column].astype("Int64")
+    table["pass_kind"] = table["pass_kind"].astype(object)
+    return table.reset_index(drop=True)
+
+
+def read_block_diagnostics(path: str | os.PathLike) -> pd.DataFrame:
+    """`results/closed_loop/blocks.csv` as `write_closed_loop_diagnostics` wrote it (an empty
+    layer or step stays NA, an empty pass_kind empty text); refuses, naming the file, one that
+    lacks a column."""
+    text = ["checkpoint", "prompt", "policy", "pass_kind"]
+    table = pd.read_csv(
+        path,
+        keep_default_na=False,
+        na_values={c: ["", "nan", "NaN"] for c in BLOCK_DIAGNOSTIC_COLUMNS if c not in text},
+        dtype={column: str for column in text},
+    )
+    missing = [column for column in BLOCK_DIAGNOSTIC_COLUMNS if column not in table.columns]
+    if missing:
+        raise ValueError(f"{path}: not a closed-loop block table, it lacks the columns {missing}")
+    for column in ("layer", "step"):
+        table[column] = table[column].astype("Int64")
+    return table[BLOCK_DIAGNOSTIC_COLUMNS]
+
+
+def write_closed_loop_diagnostics(
+    frame_tables: Sequence[str | os.PathLike],
+    block_tables: Sequence[str | os.PathLike],
+    stores: Sequence[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    sink_frames: int,
+    sink_threshold: float = 0.3,
+    head_dim: int = HEAD_DIM,
+) -> pd.DataFrame:
+    """`block_diagnostics` of the closed loop's rollouts, written atomically as CSV to `out`
+    (`results/closed_loop/blocks.csv`); returns it. `frame_tables`, `block_tables`: every
+    rollout's `{policy}.csv` and `{policy}.blocks.csv`; `stores`: every captured attention store
+    over cache slots `{policy}/layer{L}.zarr`, none for a rollout without one (module docstring).
+    Refuses, naming it, a store of no given block table and a layer captured twice."""
+    frames = read_deviation(list(frame_tables))
+    blocks = read_block_tables(list(block_tables))
+    folders: dict[Path, tuple] = {}
+    for (source, *key), _ in blocks.groupby(["source", *RUN_KEYS], sort=False):
+        folders[rollout_folder(source)] = tuple(key)
+    first_block = {
+        key: int(run.sort_values("block")["frames"].iloc[0])
+        for key, run in blocks.groupby(RUN_KEYS, sort=False)
+    }
+    masses: dict[tuple, list[SinkMass]] = {}
+    for store in stores:
+        key = folders.get(rollout_folder(store))
+        if key is None:
+            raise ValueError(f"attention store {store}: no block-position table of its rollout")
+        mass = store_sink_mass(store, sink_frame_count(sink_frames, first_block[key]))
+        if any(m.layer == mass.layer for m in masses.get(key, [])):
+            raise ValueError(f"attention store {store}: layer {mass.layer} is given twice")
+        masses.setdefault(key, []).append(mass)
+    table = block_diagnostics(
+        frames, blocks, masses, sink_threshold=sink_threshold, head_dim=head_dim
+    )
+    write_text_atomically(out, table.to_csv(index=False))
+    return table
