@@ -4,5 +4,6 @@ Torch: `model.py` (the DiT with its block-causal KV cache), `rope.py`, `checkpoi
 and saving weights), `text.py` (UMT5 prompt encoding). Torch-free, so Snakemake can read them
 while parsing: `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files),
 `spec.py` (`CheckpointSpec`) and `demo.py` (the demo model's size; torch only to make one).
-Imports nothing of sinkscope but the shared `storage`.
+Imports nothing of sinkscope but the shared `storage` and `cache_choices` (the kinds of key a
+cache labels, `KEY_KIND`).
 """

@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sinkscope.cache_choices import KEY_KIND
+
 from .config import WanConfig
 from .rope import apply_rope, rope_angles
-
-# `KVCache.key_labels` kinds (sinkscope.cache_choices.KEY_KINDS, which the model cannot import).
-_OWN, _RECENT, _SINK = 0, 1, 2
 
 
 def timestep_sinusoid(dim: int, timesteps: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,7 @@ class CacheEngine:
         the queries of the call starting at token `query_start` see it: by default its own frame,
         `own` for the call's own tokens and `recent` for the others."""
         positions = key_tokens // self.frame_seq_length
-        kinds = torch.where(key_tokens >= query_start, _OWN, _RECENT)
+        kinds = torch.where(key_tokens >= query_start, KEY_KIND["own"], KEY_KIND["recent"])
         return positions, kinds
 
     def begin_pass(self, kind: str) -> None:
@@ -172,7 +171,7 @@ class KVCache(CacheEngine):
     def key_labels(self, key_tokens, query_start):
         positions, kinds = super().key_labels(key_tokens, query_start)
         if self.sink_tokens:
-            kinds = torch.where(key_tokens < self.sink_tokens, _SINK, kinds)
+            kinds = torch.where(key_tokens < self.sink_tokens, KEY_KIND["sink"], kinds)
         return positions, kinds
 
 

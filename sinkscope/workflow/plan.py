@@ -56,40 +56,37 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
             return 0
         return token_store_disk_bytes(**store_geometry(config, name, frames, "tokens").token_layout)
     g = store_geometry(config, name, frames)
-    attention = attention_store_disk_bytes(
-        num_passes=g.num_passes,
-        num_heads=g.num_heads,
-        num_frames=g.num_frames,
-        frame_seq_length=g.frame_seq_length,
-        # the chunking the job uses ([1, 3, 3, ...]: one query frame per chunk)
-        frames_per_block=attention_chunk_frames(g.sizes),
-    )
+
+    def attention(key_slots: int | None = None) -> int:
+        """One layer's attention store: over every token, or over `key_slots` cache slots."""
+        return attention_store_disk_bytes(
+            num_passes=g.num_passes,
+            num_heads=g.num_heads,
+            num_frames=g.num_frames,
+            frame_seq_length=g.frame_seq_length,
+            # the chunking the job uses ([1, 3, 3, ...]: one query frame per chunk)
+            frames_per_block=attention_chunk_frames(g.sizes),
+            key_slots=key_slots,
+        )
+
     if job == "survey":
-        return layers * attention
+        return layers * attention()
     if job == "closed_loop":
         video = config["video"]
         latents = (
             LATENT_CHANNELS * g.num_frames * video["latent_height"] * video["latent_width"] * 4
         )
         rollouts = closed_loop_rollouts(config)
+        # Stores over the cache's slots: linear in the frames.
+        slots = [
+            closed_loop_key_frames(
+                closed_loop_policy(config, policy), g.num_frames, video["frames_per_block"]
+            )
+            * g.frame_seq_length
+            for policy in rollouts
+        ]
         layers = len(config["closed_loop"]["survey"])
-        stores = 0
-        for policy in rollouts:
-            # Stores over the cache's slots: linear in the frames.
-            slots = closed_loop_key_frames(
-                closed_loop_policy(config, policy),
-                g.num_frames,
-                config["video"]["frames_per_block"],
-            )
-            stores += layers * attention_store_disk_bytes(
-                num_passes=g.num_passes,
-                num_heads=g.num_heads,
-                num_frames=g.num_frames,
-                frame_seq_length=g.frame_seq_length,
-                frames_per_block=attention_chunk_frames(g.sizes),
-                key_slots=slots * g.frame_seq_length,
-            )
-        return len(rollouts) * latents + stores
+        return len(rollouts) * latents + layers * sum(attention(key_slots) for key_slots in slots)
     raise ValueError(f"unknown job kind {job!r}")
 
 
