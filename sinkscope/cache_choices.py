@@ -38,8 +38,9 @@ RELEASE_CACHE_FRAMES = 21
 
 # Why a key is in a cache when a query sees it (the `slot_kind` of an attention store over cache
 # slots, Contract 4): its own block, one of the most recent frames (every past frame under the full
-# cache), a sink frame, a token chosen by its score, a frame replayed into the cache (Rolling-Sink).
-KEY_KINDS = ("own", "recent", "sink", "chosen", "replayed")
+# cache), a sink frame, a token chosen by its score, a frame replayed into the cache (Rolling-Sink),
+# Rolling Forcing's anchor (block 0's keys, rotated to sit before the working cache).
+KEY_KINDS = ("own", "recent", "sink", "chosen", "replayed", "anchor")
 KEY_KIND = {name: code for code, name in enumerate(KEY_KINDS)}
 
 # The closed loop's cache policies (`sinkscope.extraction.cache_policies`), grouped by what they

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sinkscope.cache_choices import PARTICIPATIVE_POLICIES
+from sinkscope.schedules import rolling_visible
 
 
 def block_sizes(
@@ -65,14 +66,26 @@ def token_frames(num_frames: int, frame_seq_length: int) -> np.ndarray:
     return np.repeat(np.arange(num_frames, dtype=np.int32), frame_seq_length)
 
 
-def visible_frames(sizes: list[int], local_attn_size: int = -1, sink_size: int = 0) -> np.ndarray:
+def visible_frames(
+    sizes: list[int],
+    local_attn_size: int = -1,
+    sink_size: int = 0,
+    rolling_steps: int | None = None,
+) -> np.ndarray:
     """Which key frames each query frame can see in every pass of its block, as bool [F, F].
 
     Simulates the Self-Forcing KV cache at frame granularity: without a window every block sees all
     earlier frames and itself; with a window of `local_attn_size` frames the oldest non-sink frames
-    are evicted first-in first-out, and the first `sink_size` frames are never evicted.
+    are evicted first-in first-out, and the first `sink_size` frames are never evicted. With
+    `rolling_steps`, Rolling Forcing's sampler of that many steps: the frames any captured call of
+    the query frame sees (its window's later frames included).
     """
     num_frames = int(sum(sizes))
+    if rolling_steps is not None:
+        seen = np.zeros((num_frames, num_frames), dtype=bool)
+        for query, keys in enumerate(rolling_visible(len(sizes), sizes[0], rolling_steps)):
+            seen[query, sorted(keys)] = True
+        return seen
     capacity = num_frames if local_attn_size == -1 else local_attn_size
     if local_attn_size != -1 and capacity < sink_size + max(sizes):
         raise ValueError(
@@ -118,9 +131,10 @@ def token_store_bytes(
     sizes: Sequence[int],
     local_attn_size: int,
     sink_size: int,
+    rolling_steps: int | None = None,
 ) -> int:
     """Uncompressed bytes of one layer's token store: float16 over every visible tile."""
-    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size, rolling_steps).sum())
     return num_passes * num_heads * tiles * frame_seq_length**2 * 2
 
 
@@ -140,12 +154,13 @@ def token_store_disk_bytes(
     local_attn_size: int,
     sink_size: int,
     block_size: int = 4096,
+    rolling_steps: int | None = None,
 ) -> int:
     """An upper bound of the disk space one layer's token store occupies, whatever the logits
     compress to: every visible tile stored raw with its overheads, each shard file (one per pass,
     head and query frame) and directory rounded up to a filesystem block of `block_size` bytes,
     the coordinate and pooled arrays and the metadata."""
-    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size).sum())
+    tiles = int(visible_frames(list(sizes), local_attn_size, sink_size, rolling_steps).sum())
     num_frames = int(sum(sizes))
     rows = num_passes * num_heads * num_frames  # shard files
     chunks = num_passes * num_heads * tiles

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from sinkscope.cache_choices import KEY_KINDS
+from sinkscope.schedules import KEY_VERSIONS, NOISY_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,20 @@ VARIABLE_ATTRS = {
         "units": "1",
         "flag_values": list(range(len(KEY_KINDS))),
         "flag_meanings": " ".join(KEY_KINDS),
+    },
+    "slot_version": {
+        "long_name": "which copy of its frame the key was (-1: empty slot)",
+        "units": "1",
+        "flag_values": list(range(len(KEY_VERSIONS))),
+        "flag_meanings": " ".join(KEY_VERSIONS),
+        "comment": f"{NOISY_VERSION} + s: a noisy copy at denoising step s",
+    },
+    "key_version": {
+        "long_name": "which copy of the key frame the query frame saw (-1: unseen)",
+        "units": "1",
+        "flag_values": list(range(len(KEY_VERSIONS))),
+        "flag_meanings": " ".join(KEY_VERSIONS),
+        "comment": f"{NOISY_VERSION} + s: a noisy copy at denoising step s",
     },
     "key_slot": {
         "long_name": "slot of the cache as the query saw it, in cache order",

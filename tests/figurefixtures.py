@@ -12,6 +12,7 @@ import xarray as xr
 
 from sinkscope import frames
 from sinkscope.analysis import figures
+from sinkscope.schedules import KEY_VERSION, NOISY_VERSION, UNSEEN_VERSION
 from sinkscope.storage import mark_complete
 
 TIMESTEPS = np.array([1000.0, 937.5, 833.33, 625.0, 0.0], dtype=np.float32)
@@ -85,6 +86,35 @@ def make_frame_dataset(
             "num_heads": num_heads,
         },
     )
+
+
+def with_key_versions(ds: xr.Dataset, sampler: str = "rolling") -> xr.Dataset:
+    """`ds` with the `key_version` of a Self-Forcing run (the own block noisy at the pass's
+    step, clean in the cache pass, earlier frames clean) or, `sampler='rolling'`, a rolling one
+    besides: block 0's keys the anchor of every later block, and while denoising the block
+    before the own one (not block 0) a noisy copy one step further, as in the window."""
+    blocks = np.asarray(ds["block"].values)
+    query_block, key_block = blocks[:, None], blocks[None, :]
+    kinds = list(ds["pass_kind"].values)
+    denoising = kinds.count("denoise")
+    versions = []
+    for step, kind in enumerate(kinds):
+        clean = KEY_VERSION["clean"]
+        own = clean if kind == "cache" else NOISY_VERSION + step
+        version = np.where(key_block == query_block, own, clean)
+        if sampler == "rolling":
+            version = np.where((key_block == 0) & (query_block > 0), KEY_VERSION["anchor"], version)
+            if kind != "cache" and step + 1 < denoising:
+                window = (key_block == query_block - 1) & (key_block > 0)
+                version = np.where(window, NOISY_VERSION + step + 1, version)
+        seen = np.isfinite(ds["logit_mean"].values[step, 0])
+        versions.append(np.where(seen, version, UNSEEN_VERSION))
+    marked = ds.assign(
+        key_version=(("step", "query_frame", "key_frame"), np.array(versions, dtype=np.int8))
+    )
+    marked.attrs.update(sampler_kind=sampler, passes=list(range(len(kinds))))
+    marked.attrs["passes_per_block"] = len(kinds)
+    return marked
 
 
 def write_store(root: Path, ds: xr.Dataset) -> Path:

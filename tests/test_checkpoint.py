@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import pytest
 import torch
@@ -151,6 +152,52 @@ def test_self_forcing_pt_chooses_ema_or_generator(tmp_path):
         load_wan_model(CheckpointSpec(str(base), str(causvid), ema=True))
     # Only the base config and the .pt define such a checkpoint.
     assert checkpoint_files(base, pt) == [base / "config.json", pt]
+
+
+def _fsdp_key(key: str) -> str:
+    """A parameter name as an FSDP-wrapped generator saves it (Rolling Forcing's
+    `rolling_forcing_dmd.pt`): the wrapper, the DiT and each of its blocks wrapped."""
+    key = re.sub(r"^(blocks\.\d+\.)", r"\1_fsdp_wrapped_module.", key)
+    return f"_fsdp_wrapped_module.model._fsdp_wrapped_module.{key}"
+
+
+def test_fsdp_wrapped_keys_load_to_the_same_weights(tmp_path):
+    base = tmp_path / "base"
+    save_wan_model(make_tiny_model(seed=0), base)
+    ema, raw = make_tiny_model(seed=1), make_tiny_model(seed=2)
+    clean, wrapped = tmp_path / "clean.pt", tmp_path / "rolling_forcing_dmd.pt"
+    _generator_file(clean, generator_ema=ema, generator=raw)
+    torch.save(
+        {
+            "generator_ema": {_fsdp_key(k): v for k, v in ema.state_dict().items()},
+            "generator": {f"model.{k}": v for k, v in raw.state_dict().items()},
+        },
+        wrapped,
+    )
+    state = torch.load(wrapped)["generator_ema"]
+    assert (
+        "_fsdp_wrapped_module.model._fsdp_wrapped_module.blocks.0._fsdp_wrapped_module."
+        "self_attn.q.weight" in state
+    )
+    for use_ema in (True, False):
+        want = load_wan_model(CheckpointSpec(str(base), str(clean), use_ema)).state_dict()
+        got = load_wan_model(CheckpointSpec(str(base), str(wrapped), use_ema)).state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    # Errors still name the file and the key: a missing parameter by its DiT name, and two keys
+    # that clean to one name by both.
+    state.pop(_fsdp_key("blocks.1.ffn.0.bias"))
+    torch.save({"generator_ema": state}, tmp_path / "missing.pt")
+    with pytest.raises(CheckpointError, match=r"missing\.pt \(generator_ema\).*\['blocks.1.ffn.0"):
+        load_wan_model(CheckpointSpec(str(base), str(tmp_path / "missing.pt")))
+    state["model.head.head.bias"] = ema.state_dict()["head.head.bias"]
+    torch.save({"generator_ema": state}, tmp_path / "twice.pt")
+    with pytest.raises(
+        CheckpointError,
+        match=r"twice\.pt: 'generator_ema' holds '_fsdp_wrapped_module\.model\._fsdp_wrapped_"
+        r"module\.head\.head\.bias' and 'model\.head\.head\.bias', both the DiT's 'head\.head",
+    ):
+        read_generator(tmp_path / "twice.pt")
 
 
 class Payload:

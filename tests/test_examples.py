@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import xarray as xr
 
+from sinkscope.schedules import KEY_VERSION
 from sinkscope.storage import decoded_attrs
 from sinkscope.wan.checkpoint import save_wan_model
 from sinkscope.wan.config import WanConfig
@@ -23,6 +25,32 @@ EXAMPLE_MODEL = WanConfig(
 )
 # The real 60 x 104 x 21-frame geometry is far too big for CI; a second config file shrinks it.
 SMALL_VIDEO = "video: {num_frames: 6, frames_per_block: 3, latent_height: 4, latent_width: 6}\n"
+# The examples of the other samplers keep their blocks: 21 frames, so that Rolling Forcing's
+# window moves past block 0 (anchor and cache keys) as in the real run.
+SMALL_FRAMES = "video: {num_frames: 21, latent_height: 4, latent_width: 6}\n"
+# Causal Forcing's release files under checkpoints/ and the entry the example reads.
+CAUSAL_FORCING = {
+    "chunkwise/causal_forcing.pt": "generator",
+    "framewise/causal_forcing.pt": "generator_ema",
+    "causal-forcing++/framewise-1step.pt": "generator_ema",
+    "causal-forcing++/framewise-2step.pt": "generator_ema",
+    "chunkwise/longvideo.pt": "generator_ema",
+}
+EVERY_LAYER = [0, 1, 2, 3, 4]
+NEW_SAMPLERS = {  # example: checkpoint, sampler kind, frames per block, surveyed layers
+    "rolling_forcing": ("rolling_forcing_dmd", "rolling", 3, [0, 4]),
+    "causal_forcing": ("causal_forcing", "self_forcing", 3, EVERY_LAYER),
+    "causal_forcing_framewise": ("causal_forcing_framewise", "self_forcing", 1, EVERY_LAYER),
+    "causal_forcing_1step": ("causal_forcing_1step", "self_forcing", 1, EVERY_LAYER),
+    "causal_forcing_2step": ("causal_forcing_2step", "self_forcing", 1, EVERY_LAYER),
+    "causal_forcing_long": ("causal_forcing_long", "rolling", 3, [0, 4]),
+}
+# The timesteps of the passes (the steps at shift 5, warped, then the cache pass): Self-Forcing's
+# [1000, 750, 500, 250] but for Rolling Forcing's 5 steps.
+SELF_FORCING_PASSES = [1000.0, 937.5, 833.33, 625.0, 0.0]
+PASSES = {"rolling_forcing": [1000.0, 952.38, 882.35, 769.23, 555.56, 0.0]}
+# Causal Forcing++: the blocks after the first at their own steps.
+LATER_BLOCKS = {"causal_forcing_1step": [1000.0], "causal_forcing_2step": [1000.0, 833.33]}
 
 
 def _model(seed: int) -> WanModel:
@@ -56,6 +84,18 @@ def _write_self_forcing_layout(root) -> None:
         {"generator_ema": state(1), "generator": state(2)}, checkpoints / "self_forcing_dmd.pt"
     )
     torch.save({"generator": state(4)}, checkpoints / "causvid" / "model.pt")
+    # Rolling Forcing's EMA weights carry FSDP's infix, as its released file does.
+    fsdp = {
+        f"_fsdp_wrapped_module.model._fsdp_wrapped_module.{k}": v
+        for k, v in _model(5).state_dict().items()
+    }
+    torch.save(
+        {"generator_ema": fsdp, "generator": state(6)}, checkpoints / "rolling_forcing_dmd.pt"
+    )
+    # Causal Forcing's releases, each with the entry its inference command reads.
+    for seed, (path, entry) in enumerate(CAUSAL_FORCING.items(), start=7):
+        (checkpoints / path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({entry: state(seed)}, checkpoints / path)
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +109,20 @@ def example_root(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("example", "checkpoints", "prompts"),
+    ("example", "checkpoints", "prompts", "layers"),
     [
-        ("self_forcing_dmd", {"self_forcing_dmd"}, {"eagle"}),
-        ("causvid", {"causvid"}, {"eagle"}),
-        ("base_wan", {"base_wan", "self_forcing_dmd"}, {"eagle", "harbor"}),
+        ("self_forcing_dmd", {"self_forcing_dmd"}, {"eagle"}, (0, 4)),
+        ("causvid", {"causvid"}, {"eagle"}, (0, 4)),
+        ("base_wan", {"base_wan", "self_forcing_dmd"}, {"eagle", "harbor"}, (0, 4)),
+        ("rolling_forcing", {"rolling_forcing_dmd"}, {"eagle"}, ()),
+        ("causal_forcing", {"causal_forcing"}, {"eagle"}, (0, 4)),
+        ("causal_forcing_framewise", {"causal_forcing_framewise"}, {"eagle"}, (0, 4)),
+        ("causal_forcing_1step", {"causal_forcing_1step"}, {"eagle"}, (0, 4)),
+        ("causal_forcing_2step", {"causal_forcing_2step"}, {"eagle"}, (0, 4)),
+        ("causal_forcing_long", {"causal_forcing_long"}, {"eagle"}, ()),
     ],
 )
-def test_examples_plan_their_jobs(example_root, example, checkpoints, prompts):
+def test_examples_plan_their_jobs(example_root, example, checkpoints, prompts, layers):
     args = ("--configfile", f"examples/{example}.yaml", "--replace-workflow-config")
     jobs = planned_jobs(example_root, *args)
     extracts = {w for rule, w in jobs if rule == "extract"}
@@ -84,7 +130,10 @@ def test_examples_plan_their_jobs(example_root, example, checkpoints, prompts):
         f"checkpoint={c}, prompt={p}, layer={layer}"
         for c in checkpoints
         for p in prompts
-        for layer in (0, 4)
+        for layer in layers
+    }
+    assert {w for rule, w in jobs if rule == "survey"} == {
+        f"checkpoint={c}, prompt={p}" for c in checkpoints for p in prompts
     }
     assert not any(rule.startswith("make_demo") for rule, _ in jobs)  # the demo does not leak in
 
@@ -151,3 +200,47 @@ def test_self_forcing_example_runs_end_to_end(example_root):
     assert "L0H0" in svg and "L4H9" in svg
     prompt_log = (results / "logs/encode_prompt/eagle.log").read_text()
     assert "Traceback" not in prompt_log
+
+
+@pytest.mark.parametrize("example", NEW_SAMPLERS)
+def test_examples_of_the_other_samplers_run_their_survey(example_root, example):
+    """Rolling Forcing and the Causal Forcing family on their release files' stand-ins (Rolling
+    Forcing's with FSDP's key infix), each to its survey: one rollout under the example's
+    sampler, blocks and steps; the rolling ones' queries see block 0 as the anchor."""
+    checkpoint, kind, frames_per_block, surveyed = NEW_SAMPLERS[example]
+    (example_root / "small_frames.yaml").write_text(SMALL_FRAMES)
+    snakemake(
+        example_root,
+        "--configfile",
+        f"examples/{example}.yaml",
+        "small_frames.yaml",
+        "--replace-workflow-config",
+        "--until",
+        "survey",
+    )
+    folder = example_root / "results" / "attention" / checkpoint / "eagle"
+    assert sorted(folder.iterdir()) == [folder / f"layer{layer}.zarr" for layer in surveyed]
+    store = xr.open_zarr(folder / "layer0.zarr")
+    attrs = decoded_attrs(store)
+    assert attrs["sampler_kind"] == attrs["config"]["sampler"]["kind"] == kind
+    assert attrs["block_sizes"] == [frames_per_block] * (21 // frames_per_block)
+    assert [round(t, 2) for t in attrs["timesteps"]] == PASSES.get(example, SELF_FORCING_PASSES)
+    if example in LATER_BLOCKS:
+        assert [round(t, 2) for t in attrs["later_block_timesteps"]] == LATER_BLOCKS[example]
+    versions = set(np.unique(store["key_version"].values).tolist())
+    assert (KEY_VERSION["anchor"] in versions) == (kind == "rolling")
+    assert not (example_root / "results" / "logits" / checkpoint).exists()
+
+
+def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
+    """examples/demo/rolling_forcing.yaml (README.md, "The model"): the demo DAG under the
+    rolling sampler, without the closed loop it does not support."""
+    root = copy_workflow(tmp_path / "w")
+    (root / "examples" / "demo").mkdir(parents=True)
+    name = "examples/demo/rolling_forcing.yaml"
+    (root / name).write_text((REPO / name).read_text())
+    jobs = planned_jobs(root, "--configfile", name)
+    assert {w for rule, w in jobs if rule == "survey"} == {
+        f"checkpoint={c}, prompt={p}" for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
+    }
+    assert not any(rule.startswith("closed_loop") for rule, _ in jobs)

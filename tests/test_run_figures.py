@@ -3,7 +3,7 @@ grid, heads heatmap, frame maps, layer comparison and statistics, drawn from syn
 datasets (Contract 2): files, text, and the plotted numbers against numpy and the statistics CSV
 (Contract 3); the paper options (query block shaded, minimum annotated, seam-free vector maps,
 latent frame 0 wide on the video axis, linear or log scales, one colour scale across layers,
-legends off the data)."""
+legends off the data, the key versions of a rolling run marked)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from sinkscope import frames
 from sinkscope.analysis import stats
 from sinkscope.analysis.plots import render, render_figures
 from sinkscope.analysis.plots.common import (
+    ANCHOR_LABEL,
     MEASURE_VARIABLES,
     PROFILE_LABELS,
     UNSEEN_COLOR,
@@ -29,9 +30,13 @@ from sinkscope.analysis.plots.common import (
     frame_edges,
     last_block_profile,
     log_scaled,
+    marks_key_versions,
     save_figure,
+    version_label,
 )
 from sinkscope.analysis.plots.run import (
+    ANCHOR_COLOR,
+    BAR_COLOR,
     MAP_LABELS,
     _query_block,
     head_statistics,
@@ -54,6 +59,7 @@ from .figurefixtures import (
     run_outputs,
     svg_has_raster,
     svg_texts,
+    with_key_versions,
     write_store,
 )
 
@@ -437,3 +443,96 @@ def test_legends_cover_no_panel():
     for name, fig in figs.items():
         assert fig.legends, f"{name} has no legend"
         assert not overlapping_legends(fig), f"a legend of {name} covers a panel"
+
+
+ROLLING = {"num_heads": 4, "block_sizes": [3, 3, 3, 3]}  # the last block: latent 9-11
+
+
+def bar_looks(ax) -> dict[str, list[int]]:
+    """The key frames of a profile's bars by their look: the anchor's, hatched, plain."""
+    looks: dict[str, list[int]] = {"anchor": [], "hatched": [], "plain": []}
+    for frame, bar in enumerate(ax.containers[0]):
+        if bar.get_hatch():
+            looks["hatched"].append(frame)
+        elif mcolors.same_color(bar.get_facecolor(), ANCHOR_COLOR):
+            looks["anchor"].append(frame)
+        else:
+            assert mcolors.same_color(bar.get_facecolor(), BAR_COLOR)
+            looks["plain"].append(frame)
+    return looks
+
+
+def legend_labels(fig) -> set[str]:
+    return {text.get_text() for legend in fig.legends for text in legend.get_texts()} - {""}
+
+
+def test_figure4_shows_which_copy_of_each_key_frame_the_last_block_saw():
+    ds = with_key_versions(make_frame_dataset(**ROLLING))
+    fig = plot_figure4([ds], [(0, 0), (0, 3)], step=1)
+    for ax in fig.axes:
+        assert bar_looks(ax) == {
+            "anchor": [0, 1, 2],
+            "hatched": list(range(6, 12)),
+            "plain": [3, 4, 5],
+        }
+        bars = ax.containers[0]
+        # The window's older block (step 2) is less noisy than the own block (step 1): lighter.
+        older, own = (sum(mcolors.to_rgb(bars[f].get_facecolor())) for f in (6, 9))
+        assert older > own
+    assert legend_labels(fig) == {
+        "the query block's own key frames (latent 9–11)",
+        ANCHOR_LABEL,
+        "clean copy",
+        "noisy copy, t=833.33",
+        "noisy copy, t=937.5",
+    }
+    # L0H3's sink on frame 0 is the anchor's, and its label says so.
+    assert annotations(fig.axes[1])["max"].get_text().endswith("frame 0 (anchor)")
+    assert not overlapping_legends(fig)
+
+
+def test_frame_maps_outline_the_anchor_and_hatch_the_noisy_copies():
+    ds = with_key_versions(make_frame_dataset(**ROLLING))
+    versions = ds["key_version"].values[0]
+    fig = plot_frame_maps(ds, step=0)
+    for ax in fig.axes[:4]:  # the panels, not the colorbar
+        (outline,) = [patch for patch in ax.patches if patch.get_label() == "_anchor"]
+        corners = outline.get_path().vertices
+        # around the anchor's cells: key frames 0-2 of query frames 3-11
+        assert corners.min(axis=0) == pytest.approx((-0.5, 2.5))
+        assert corners.max(axis=0) == pytest.approx((2.5, 11.5))
+        (hatched,) = [patch for patch in ax.patches if patch.get_hatch()]
+        cells = hatched.get_path().codes == hatched.get_path().MOVETO
+        assert cells.sum() == (versions >= 2).sum()
+        assert ax.get_xlabel() == "Key frame (latent)"  # the legend takes the figure's foot
+    assert legend_labels(fig) == {ANCHOR_LABEL, "noisy copy (a block of the denoising window)"}
+    assert not overlapping_legends(fig)
+
+
+def test_figures_without_rolling_versions_draw_as_before(tmp_path):
+    # A Self-Forcing run's versions (own block noisy, earlier frames clean) say nothing the
+    # block layout does not: its files are those of a dataset without key_version.
+    plain = make_frame_dataset(**SMALL)
+    self_forcing = with_key_versions(plain, "self_forcing")
+    assert not marks_key_versions(self_forcing)
+    builders = {
+        "figure4": lambda ds: plot_figure4([ds], [(0, 0), (0, 1)], step=0),
+        "frame_maps": lambda ds: plot_frame_maps(ds, step=0),
+    }
+    for name, build in builders.items():
+        fig = build(plain)
+        assert len(legend_labels(fig)) == (1 if name == "figure4" else 0)
+        for ax in fig.axes:
+            assert not [patch for patch in ax.patches if patch.get_hatch()]
+            assert not [patch for patch in ax.patches if patch.get_label() == "_anchor"]
+        drawn = [save_figure(fig, tmp_path / f"{name}.svg")]
+        drawn.append(save_figure(build(self_forcing), tmp_path / f"{name}_self_forcing.svg"))
+        assert drawn[0].read_bytes() == drawn[1].read_bytes()
+
+
+def test_version_labels_name_the_timestep_of_a_captured_pass():
+    ds = with_key_versions(make_frame_dataset(**SMALL)).isel(step=[0, 4])
+    ds.attrs["passes"] = [0, 4]  # the first denoising step and the cache pass
+    assert version_label(ds, 2) == "noisy copy, t=1000"
+    assert version_label(ds, 3) == "noisy copy, step 1"  # not captured: no timestep
+    assert version_label(ds, 1).startswith("anchor")

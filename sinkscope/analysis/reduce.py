@@ -642,12 +642,14 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
     tokens_per_frame, num_frames, sizes = _check_attention_store(path, ds)
     if slots.is_slot_store(ds):
         try:
-            prob_mass, logit_mean = slots.frame_view(path, num_frames)
+            prob_mass, logit_mean, versions = slots.frame_view(path, num_frames)
         except Exception as err:
             raise _unreadable(kind, path, "key_mass", err, _open_array(path, "key_mass")) from err
         slots.check_view(kind, path, prob_mass, _DAMAGED[kind])
         entropy = _values(path, ds, "entropy", kind).astype(np.float32)
-        return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention")
+        return _frame_dataset(
+            ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions
+        )
     # dask-backed, one task per stored chunk (one pass and block, every head and key token).
     key_mass = xr.open_zarr(path)["key_mass"].drop_vars("key_frame", errors="ignore")
     # Key tokens -> (key frame, token); a key frame is either wholly visible or not at all, so
@@ -669,7 +671,8 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
     entropy = _values(path, ds, "entropy", kind).astype(np.float32)
     logit_mean = _values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
     _check_mass(path, prob_mass, logit_mean)
-    return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention")
+    versions = _values(path, ds, "key_version", kind) if "key_version" in ds else None
+    return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions)
 
 
 def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
@@ -705,8 +708,10 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
         logit_mean = pooled.astype(np.float32)
         prob_mass = np.full_like(logit_mean, np.nan)
         entropy = np.full(logit_mean.shape[:3], np.nan, dtype=np.float32)
-
-    return _frame_dataset(ds, token_store, logit_mean, prob_mass, entropy, sizes, "tokens")
+    versions = _values(token_store, ds, "key_version") if "key_version" in ds else None
+    return _frame_dataset(
+        ds, token_store, logit_mean, prob_mass, entropy, sizes, "tokens", versions
+    )
 
 
 def _frame_dataset(
@@ -717,10 +722,12 @@ def _frame_dataset(
     entropy: np.ndarray,
     sizes: list[int],
     store: str,
+    key_version: np.ndarray | None = None,
 ) -> xr.Dataset:
     """Contract 2 from the reduced arrays and the store `ds` (of kind `store`) they come from;
     every variable and coordinate with its long_name and units (`storage.VARIABLE_ATTRS`), the
-    attributes netCDF-safe (`storage.encode_attrs`)."""
+    attributes netCDF-safe (`storage.encode_attrs`). `key_version`: which copy of each key
+    frame each query frame saw per pass (stores before it have none)."""
     kind = STORE_NAMES[store]
     num_steps, num_heads, num_frames = logit_mean.shape[:3]
     frames = np.arange(num_frames)
@@ -736,6 +743,8 @@ def _frame_dataset(
         "prob_mass": (FRAME_DIMS, prob_mass),
         "entropy": (FRAME_DIMS[:3], entropy),
     }
+    if key_version is not None:
+        variables["key_version"] = ((FRAME_DIMS[0], *FRAME_DIMS[2:]), key_version)
     coords = {
         "step": ("step", np.arange(num_steps)),
         "head": ("head", np.arange(num_heads)),

@@ -43,9 +43,10 @@ def check_slot_store(kind: str, path: Path, ds: xr.Dataset, num_frames: int) -> 
         )
 
 
-def frame_view(path: Path, num_frames: int) -> tuple[np.ndarray, np.ndarray]:
+def frame_view(path: Path, num_frames: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(prob_mass, logit_mean) [step, head, query_frame, key_frame] float32 of a store over
-    slots, one chunk of query frames at a time."""
+    slots, one chunk of query frames at a time, and `key_version` [step, query_frame, key_frame]
+    (head 0's slots; None for a store without `slot_version`)."""
     group = zarr.open_group(str(path), mode="r")
     key_mass, logits, frames = (
         group[name] for name in ("key_mass", "key_logit_mean", "slot_frame")
@@ -53,11 +54,17 @@ def frame_view(path: Path, num_frames: int) -> tuple[np.ndarray, np.ndarray]:
     steps, heads, queries, _ = key_mass.shape
     prob_mass = np.full((steps, heads, queries, num_frames), np.nan, np.float32)
     logit_mean = np.full_like(prob_mass, np.nan)
+    has_versions = "slot_version" in group
+    versions = np.full((steps, queries, num_frames), -1, np.int8) if has_versions else None
     chunk = key_mass.chunks[2]
     for step in range(steps):
         for first in range(0, queries, chunk):
             rows = slice(first, min(first + chunk, queries))
             mass, logit, frame = (a[step, :, rows] for a in (key_mass, logits, frames))
+            if has_versions:
+                version = group["slot_version"][step, 0, rows]
+                query, slot = np.nonzero(frame[0] >= 0)
+                versions[step, rows][query, frame[0][query, slot]] = version[query, slot]
             n = mass.shape[1]
             seen = frame >= 0
             # (head, query frame in the chunk, key frame) -> one flat bin
@@ -72,7 +79,7 @@ def frame_view(path: Path, num_frames: int) -> tuple[np.ndarray, np.ndarray]:
             prob_mass[step, :, rows] = np.where(visible, total.reshape(shape), np.nan)
             mean = logit_sum / np.maximum(count, 1)
             logit_mean[step, :, rows] = np.where(visible, mean.reshape(shape), np.nan)
-    return prob_mass, logit_mean
+    return prob_mass, logit_mean, versions
 
 
 def check_view(kind: str, path: Path, prob_mass: np.ndarray, damaged: str) -> None:

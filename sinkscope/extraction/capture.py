@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sinkscope.cache_choices import KEY_KIND
+from sinkscope.schedules import KEY_VERSION, BlockPart, ModelCall, version_code
 from sinkscope.wan.model import VisibleKeys
 
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter
@@ -68,11 +70,26 @@ def softmax_reductions(
     return key_mass.div_(rows), entropy
 
 
+def key_versions(call: ModelCall, key_frames: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
+    """Which copy of its frame each key of `call` is (`sinkscope.schedules.KEY_VERSIONS`), from
+    its latent frame and its kind (`cache_choices.KEY_KIND`), shaped as they are: the frames the
+    call queries are its own copies at their part's step (clean in a cache pass), Rolling
+    Forcing's anchor is the anchor, every other key a clean cached copy."""
+    versions = torch.full_like(key_frames, KEY_VERSION["clean"])
+    for part in call.parts:
+        own = (key_frames >= part.start) & (key_frames < part.end)
+        versions[own] = version_code(part.step)
+    versions[kinds == KEY_KIND["anchor"]] = KEY_VERSION["anchor"]
+    return versions
+
+
 class LogitCapture:
     """Model capture hook: writes the self-attention of chosen layers and passes to their stores
     (a `TokenStoreWriter` or an `AttentionStoreWriter` per layer).
 
-    Call `begin_pass` before every model call; the hook then writes the passes it was asked for.
+    Call `begin_call` before every model call (`begin_pass` for Self-Forcing's calls of one
+    block); the hook then writes the passes it was asked for, each block's queries of a call on
+    its own slot of the pass axis (a Rolling Forcing window holds blocks at several steps).
     """
 
     def __init__(
@@ -88,14 +105,33 @@ class LogitCapture:
         self.frame_seq_length = frame_seq_length
         self.scale = 1.0 / math.sqrt(head_dim)
         self.softmax_rows = softmax_rows  # None: CPU_SOFTMAX_ROWS on the CPU, a tile on a GPU
-        self.step: int | None = None
+        self.call: ModelCall | None = None
+        self._pass: tuple[int, int, str] | None = None
 
     @property
     def layers(self) -> set[int]:
         return set(self.writers)
 
+    def begin_call(self, index: int, call: ModelCall, timesteps: Sequence[float]) -> None:
+        self.call, self._pass = call, None
+
     def begin_pass(self, block: int, pass_index: int, kind: str, timestep: float) -> None:
-        self.step = self.step_of_pass.get(pass_index)
+        """Self-Forcing's hook: the next call queries one block at `pass_index`."""
+        self.call, self._pass = None, (block, pass_index, kind)
+
+    def _current_call(self, query_start: int, queries: int) -> ModelCall:
+        if self.call is not None:
+            return self.call
+        block, pass_index, kind = self._pass
+        step = None if kind == "cache" else pass_index
+        t = self.frame_seq_length
+        part = BlockPart(block, query_start // t, queries // t, step, pass_index)
+        return ModelCall(kind, (part,))
+
+    def _captured_parts(self, call: ModelCall) -> list[tuple[BlockPart, int]]:
+        """The parts of `call` this capture writes, with their step on the stores' pass axis."""
+        steps = ((part, self.step_of_pass.get(part.pass_index)) for part in call.parts)
+        return [(part, step) for part, step in steps if step is not None]
 
     @torch.no_grad()
     def __call__(
@@ -105,16 +141,27 @@ class LogitCapture:
         k: torch.Tensor,
         visible: VisibleKeys,
     ) -> None:
-        if self.step is None or layer not in self.writers:
+        if layer not in self.writers:
+            return
+        call = self._current_call(visible.query_start, q.shape[1])
+        parts = self._captured_parts(call)
+        if not parts:
             return
         writer = self.writers[layer]
         t = self.frame_seq_length
         if q.shape[0] != 1:
             raise ValueError("logit capture supports batch size 1")
-        if isinstance(writer, SlotStoreWriter):
-            self._slots(writer, q[0], k[0], visible)
-            return
-        key_tokens, query_start = visible.tokens, visible.query_start
+        for part, step in parts:
+            rows = slice((part.start - call.start) * t, (part.end - call.start) * t)
+            if isinstance(writer, SlotStoreWriter):
+                self._slots(writer, step, part.start, q[0, rows], k[0], visible, call)
+            else:
+                self._frames(writer, step, part.start, q[0, rows], k[0], visible, call)
+
+    def _frames(self, writer, step, first_frame, q, k, visible: VisibleKeys, call) -> None:
+        """One block's queries into a store over every token of the video."""
+        t = self.frame_seq_length
+        key_tokens = visible.tokens
         if visible.bias is not None or key_tokens.dim() != 1:
             raise ValueError(
                 "a store over every token of the video needs whole frames without a logit bias"
@@ -122,21 +169,23 @@ class LogitCapture:
         # Cache slots hold whole frames; their absolute frames, in slot order.
         slot_frames = key_tokens[::t] // t
         order = torch.argsort(slot_frames)
-        key_frames = slot_frames[order].cpu().numpy()
+        key_frames = slot_frames[order]
+        kinds = visible.labels(t)[1][::t][order]
+        versions = key_versions(call, key_frames, kinds).cpu().numpy().astype("int8")
+        key_frames = key_frames.cpu().numpy()
         # Keys in ascending absolute frame order, so the store row is filled by contiguous runs.
-        k_sorted = k[0].unflatten(0, (-1, t))[order].flatten(0, 1)
-        first_frame = query_start // t
+        k_sorted = k.unflatten(0, (-1, t))[order].flatten(0, 1)
         # Mean over all token pairs of q.k = (mean q).(mean k): frame-level logits without pairs.
-        q_pooled = q[0].float().unflatten(0, (-1, t)).mean(dim=1)
+        q_pooled = q.float().unflatten(0, (-1, t)).mean(dim=1)
         k_pooled = k_sorted.float().unflatten(0, (-1, t)).mean(dim=1)
         pooled = torch.einsum("qhd,khd->hqk", q_pooled.double(), k_pooled.double()) * self.scale
-        writer.write_pooled(self.step, first_frame, key_frames, pooled.float().cpu().numpy())
+        writer.write_pooled(step, first_frame, key_frames, pooled.float().cpu().numpy(), versions)
         if isinstance(writer, AttentionStoreWriter):
-            self._attention(writer, q[0], k_sorted, key_frames, first_frame)
+            self._attention(writer, step, q, k_sorted, key_frames, first_frame)
         elif writer.tokens:
-            self._tiles(writer, q[0], k_sorted, key_frames, first_frame)
+            self._tiles(writer, step, q, k_sorted, key_frames, first_frame)
 
-    def _tiles(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+    def _tiles(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
         t = self.frame_seq_length
         for head in range(q.shape[1]):
             k_head = k_sorted[:, head].float()
@@ -144,7 +193,7 @@ class LogitCapture:
                 q_frame = q[frame * t : (frame + 1) * t, head].float()
                 tile = (q_frame @ k_head.T).mul_(self.scale)  # in place: one T x keys buffer
                 writer.write_row(
-                    self.step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
+                    step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
                 )
 
     def _reductions(self, q, k, bias=None):
@@ -170,8 +219,9 @@ class LogitCapture:
             key_logit_mean += bias.float()
         return key_mass, entropy, key_logit_mean
 
-    def _slots(self, writer: SlotStoreWriter, q, k, visible: VisibleKeys) -> None:
-        """One call into a store over cache slots: the keys in the cache's order, labelled."""
+    def _slots(self, writer: SlotStoreWriter, step, first_frame, q, k, visible, call) -> None:
+        """One block's queries into a store over cache slots: the keys in the cache's order,
+        labelled."""
         t = self.frame_seq_length
         key_mass, entropy, key_logit_mean = self._reductions(q, k, visible.bias)
         positions, kinds = visible.labels(t)
@@ -181,6 +231,7 @@ class LogitCapture:
             "slot_token": tokens % t,
             "slot_position": positions,
             "slot_kind": kinds,
+            "slot_version": key_versions(call, tokens // t, kinds),
         }
         # Per-head choices come as [M, heads]; the store takes [heads, M].
         labels = {
@@ -188,18 +239,18 @@ class LogitCapture:
             for name, values in labels.items()
         }
         writer.write_slots(
-            self.step,
-            visible.query_start // t,
+            step,
+            first_frame,
             key_mass.cpu().numpy(),
             entropy.cpu().numpy(),
             key_logit_mean.cpu().numpy(),
             labels,
         )
 
-    def _attention(self, writer, q, k_sorted, key_frames, first_frame) -> None:
+    def _attention(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
         key_mass, entropy, key_logit_mean = self._reductions(q, k_sorted)
         writer.write_block(
-            self.step,
+            step,
             first_frame,
             key_frames,
             key_mass.cpu().numpy(),

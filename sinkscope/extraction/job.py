@@ -53,6 +53,7 @@ class RolloutPlan:
 
     geometry: Geometry
     schedule: Schedule
+    sampler: str  # sinkscope.schedules.SAMPLER_KINDS
     local_attn_size: int
     sink_size: int
     seed: int
@@ -63,8 +64,12 @@ class RolloutPlan:
     def from_settings(cls, settings: dict) -> RolloutPlan:
         sampler = settings["sampler"]
         video = settings["video"]
+        first = sampler.get("first_block_steps")
         schedule = Schedule(
-            steps=tuple(sampler["steps"]), shift=float(sampler["shift"]), warp=bool(sampler["warp"])
+            steps=tuple(sampler["steps"]),
+            shift=float(sampler["shift"]),
+            warp=bool(sampler["warp"]),
+            first_block_steps=None if first is None else tuple(first),
         )
         return cls(
             geometry=Geometry(
@@ -76,10 +81,12 @@ class RolloutPlan:
                 independent_first_frame=video.get("independent_first_frame", False),
             ),
             schedule=schedule,
+            # Absent where settings skip the schema defaults: Self-Forcing's sampler.
+            sampler=sampler.get("kind", "self_forcing"),
             local_attn_size=sampler["local_attn_size"],
             sink_size=sampler["sink_size"],
             seed=settings["seed"],
-            passes=resolve_passes(settings["capture"]["passes"], len(schedule.steps)),
+            passes=resolve_passes(settings["capture"]["passes"], schedule.num_passes - 1),
             tokens=settings["capture"].get("tokens", True),
         )
 
@@ -209,6 +216,13 @@ def plan_stores(
         # choice walks back through a block's calls).
         "passes": plan.passes,
         "passes_per_block": len(plan.schedule.pass_timesteps()),
+        "sampler_kind": plan.sampler,
+        # With a first block of its own steps, `timesteps` are the longer list's; the others'.
+        **(
+            {"later_block_timesteps": plan.schedule.timesteps}
+            if plan.schedule.first_block_steps is not None
+            else {}
+        ),
         "local_attn_size": plan.local_attn_size,
         "sink_size": plan.sink_size,
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
@@ -235,6 +249,7 @@ def plan_stores(
             local_attn_size=plan.local_attn_size,
             sink_size=plan.sink_size,
             block_size=block_size,
+            rolling_steps=len(plan.schedule.steps) if plan.sampler == "rolling" else None,
         )
         what = "the token stores (float16 logits of the visible tiles, stored raw)"
     else:
@@ -289,7 +304,8 @@ def roll_out(
     """Generate the video block by block, capturing what `capture` was asked for."""
     model.set_capture(capture, capture.layers)
     log.info(
-        "rollout: %d blocks x %d passes, capturing layers %s passes %s",
+        "rollout (%s sampler): %d blocks x %d passes, capturing layers %s passes %s",
+        plan.sampler,
         len(plan.geometry.block_sizes),
         len(plan.schedule.pass_timesteps()),
         sorted(capture.layers),
@@ -301,12 +317,13 @@ def roll_out(
             text[None],
             geometry=plan.geometry,
             schedule=plan.schedule,
+            sampler=plan.sampler,
             local_attn_size=plan.local_attn_size,
             sink_size=plan.sink_size,
             seed=plan.seed,
             device=device,
             dtype=dtype,
-            on_pass=capture.begin_pass,
+            on_call=capture.begin_call,
             progress=progress,
         )
     finally:

@@ -22,6 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 
+from sinkscope.schedules import UNSEEN_VERSION
 from sinkscope.storage import (
     VARIABLE_ATTRS,
     checked_compressors,
@@ -157,6 +158,14 @@ class _StoreWriter:
             if self.pooled_logits
             else None
         )
+        # Which copy of each key frame each query frame saw, on the same frame grid (written
+        # when the capture gave it: stores written by hand for tests have none).
+        self.versions_given = False
+        self.key_version = (
+            np.full((self.num_steps, num_frames, num_frames), UNSEEN_VERSION, np.int8)
+            if self.pooled_logits
+            else None
+        )
         coordinates = [
             ("step", ("step",), np.arange(self.num_steps, dtype=np.int32)),
             ("head", ("head",), np.arange(num_heads, dtype=np.int32)),
@@ -220,12 +229,21 @@ class _StoreWriter:
         self._queue.put(item)
 
     def write_pooled(
-        self, step: int, first_query_frame: int, key_frames: np.ndarray, values: np.ndarray
+        self,
+        step: int,
+        first_query_frame: int,
+        key_frames: np.ndarray,
+        values: np.ndarray,
+        versions: np.ndarray | None = None,
     ) -> None:
-        """Frame-level mean logits [heads, query frames, len(key_frames)] of one pass call."""
+        """Frame-level mean logits [heads, query frames, len(key_frames)] of one pass call, and
+        the version of each key frame the call saw (`sinkscope.schedules.KEY_VERSIONS`)."""
         queries = slice(first_query_frame, first_query_frame + values.shape[1])
         # Index through views: mixing an int, a slice and an array would reorder the axes.
         self.pooled[step][:, queries][:, :, key_frames] = values
+        if versions is not None:
+            self.key_version[step][queries][:, key_frames] = versions
+            self.versions_given = True
 
     def close(self) -> Path:
         """Finish writing, consolidate metadata and move the store to its final name."""
@@ -248,6 +266,17 @@ class _StoreWriter:
                 attributes=VARIABLE_ATTRS["logit_mean_pooled"],
             )
             pooled[:] = self.pooled
+        if self.versions_given:
+            version = self._group.create_array(
+                "key_version",
+                shape=self.key_version.shape,
+                dtype="int8",
+                fill_value=UNSEEN_VERSION,
+                dimension_names=(POOLED_DIMS[0], *POOLED_DIMS[2:]),
+                compressors=checked_compressors(),
+                attributes=VARIABLE_ATTRS["key_version"],
+            )
+            version[:] = self.key_version
         self._finish(self._group)
         # Marked only now: a store without `complete` is never accepted downstream.
         mark_complete(
@@ -450,6 +479,7 @@ SLOT_LABELS = {
     "slot_token": ("int32", -1),
     "slot_position": ("int32", -1),
     "slot_kind": ("int8", -1),
+    "slot_version": ("int8", UNSEEN_VERSION),
 }
 
 
@@ -472,14 +502,16 @@ class SlotStoreWriter(AttentionStoreWriter):
     def __init__(self, path: str | Path, *, slots: int, **kw):
         self.slots = slots
         self._pool = concurrent.futures.ThreadPoolExecutor(6, thread_name_prefix="slot-writer")
-        # The block being gathered: its first query frame, rows by array, steps received.
-        self._block: tuple[int, dict[str, np.ndarray], set[int]] | None = None
+        # The blocks being gathered (a rolling window's calls hold several): first query frame:
+        # rows by array. A block is queued once its last captured pass has come.
+        self._blocks: dict[int, dict[str, np.ndarray]] = {}
         super().__init__(path, **kw)
 
     def close(self) -> Path:
         try:
-            if not self._closed and self._block is not None:
-                self._flush()
+            if not self._closed:
+                for first_query_frame in sorted(self._blocks):
+                    self._flush(first_query_frame)
             return super().close()
         finally:
             self._pool.shutdown()
@@ -528,10 +560,8 @@ class SlotStoreWriter(AttentionStoreWriter):
         list(self._pool.map(write, rows))
         return sum(values.nbytes for values in rows.values())
 
-    def _flush(self) -> None:
-        first_query_frame, rows, _ = self._block
-        self._block = None
-        self._put((first_query_frame, rows))
+    def _flush(self, first_query_frame: int) -> None:
+        self._put((first_query_frame, self._blocks.pop(first_query_frame)))
 
     def write_slots(
         self,
@@ -545,31 +575,30 @@ class SlotStoreWriter(AttentionStoreWriter):
         """key_mass and key_logit_mean [heads, query frames, M] over the M keys a pass call saw,
         in cache order, entropy [heads, query frames], and the `SLOT_LABELS` of each key ([M]
         shared by the heads, or [heads, M]); padded to `slots`, and queued once every captured
-        pass of the block has come."""
+        pass of the block has come (every sampler calls a block's passes in pass order)."""
         heads, frames, keys = key_mass.shape
         if keys > self.slots:
             raise ValueError(
                 f"{self.path}: a call saw {keys} keys, more than the store's {self.slots} slots"
             )
-        if self._block is not None and self._block[0] != first_query_frame:
-            self._flush()  # a block whose passes were not all captured (not in a rollout)
-        if self._block is None:
+        if first_query_frame not in self._blocks:
             shape = (self.num_steps, heads, frames, self.slots)
             rows = {
                 name: np.full(shape, np.nan, np.float32) for name in ("key_mass", "key_logit_mean")
             }
             for name, (dtype, fill) in SLOT_LABELS.items():
                 rows[name] = np.full(shape, fill, dtype)
-            self._block = (first_query_frame, rows, set())
-        _, rows, steps = self._block
+            self._blocks[first_query_frame] = rows
+        rows = self._blocks[first_query_frame]
         rows["key_mass"][step, :, :, :keys] = key_mass
         rows["key_logit_mean"][step, :, :, :keys] = key_logit_mean
         for name in SLOT_LABELS:
+            if name == "slot_version" and name not in labels:
+                continue  # stays -1: a writer's caller that knows no versions
             values = np.asarray(labels[name])
             rows[name][step, :, :, :keys] = (values if values.ndim == 2 else values[None])[
                 :, None, :
             ]
-        steps.add(step)
         self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
-        if len(steps) == self.num_steps:
-            self._flush()
+        if step == self.num_steps - 1:
+            self._flush(first_query_frame)

@@ -3,7 +3,9 @@
 - Wan's original layout and diffusers' `WanTransformer3DModel` folders (see `layout.py`), one file
   or shards; diffusers keys are renamed to the original ones.
 - Self-Forcing / CausVid: a pickled `.pt` whose `generator_ema` / `generator` entry holds the DiT
-  with keys prefixed `model.`, layered over a base folder that supplies the config.
+  with keys prefixed `model.`, layered over a base folder that supplies the config. Rolling
+  Forcing's and Causal Forcing's keys may also carry FSDP's `_fsdp_wrapped_module.` (once per
+  wrapped module, anywhere in the key), which their loaders remove, as `read_generator` does.
 """
 
 from __future__ import annotations
@@ -110,8 +112,18 @@ def load_pickled(path: str | Path) -> object:
         ) from None
 
 
+FSDP_INFIX = "_fsdp_wrapped_module."
+
+
+def generator_key(key: str) -> str:
+    """The DiT parameter name of a generator key: FSDP's infix removed wherever it appears, then
+    the wrapper's `model.` prefix."""
+    return key.replace(FSDP_INFIX, "").removeprefix("model.")
+
+
 def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor]:
-    """DiT weights of a Self-Forcing / CausVid `.pt`, `model.` prefix stripped."""
+    """DiT weights of a Self-Forcing / CausVid / Rolling Forcing `.pt`, keys cleaned by
+    `generator_key`."""
     path = Path(path)
     key = "generator_ema" if ema else "generator"
     try:
@@ -129,7 +141,17 @@ def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor
         raise CheckpointError(
             f"{path}: '{key}' is a {what}, not a state dict of tensors (parameter name -> tensor)"
         )
-    return {k.removeprefix("model."): v for k, v in weights.items()}
+    cleaned: dict[str, torch.Tensor] = {}
+    originals: dict[str, str] = {}
+    for original, value in weights.items():
+        clean = generator_key(original)
+        if clean in cleaned:
+            raise CheckpointError(
+                f"{path}: '{key}' holds '{originals[clean]}' and '{original}', both the DiT's "
+                f"'{clean}' once FSDP's '{FSDP_INFIX}' and the 'model.' prefix are removed"
+            )
+        cleaned[clean], originals[clean] = value, original
+    return cleaned
 
 
 def _check_keys(model: WanModel, state: dict[str, torch.Tensor], source: str) -> None:

@@ -90,6 +90,11 @@ class CacheEngine:
         """Told before every model call of a rollout which kind of pass it is (`denoise` or
         `cache`); caches that choose by the attention of one kind of pass listen."""
 
+    def begin_call(self, index: int, call) -> None:
+        """Told before every model call which call of the sampler's schedule it is (index, a
+        `sinkscope.schedules.ModelCall`); by default passes its kind on to `begin_pass`."""
+        self.begin_pass(call.kind)
+
 
 class KVCache(CacheEngine):
     """Self-attention key/value cache of one layer, with Self-Forcing's rolling semantics.

@@ -17,6 +17,7 @@ import yaml
 from sinkscope.cache_choices import SINK_POLICIES
 from sinkscope.frames import block_sizes, visible_frames
 from sinkscope.passes import resolve_passes
+from sinkscope.schedules import ROLLING_ATTENTION_FRAMES, denoising_steps
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import (
     model_dir,
@@ -291,6 +292,14 @@ def _check_closed_loop(config: dict) -> None:
         ):
             if name not in known:
                 raise ConfigError(f"closed_loop.runs: {key} {name!r} is not one of {sorted(known)}")
+        if sampler_settings(config, checkpoint)["kind"] == "rolling":
+            # The policies are caches of Self-Forcing's sampler; Rolling Forcing's own cache as
+            # their reference is not built yet (docs/DESIGN.md, "Samplers are schedules").
+            raise ConfigError(
+                f"closed_loop.runs: checkpoint {checkpoint!r} uses sampler.kind: rolling, whose "
+                "closed loop is not supported yet; set closed_loop.policies: [] or list only "
+                "self_forcing checkpoints in closed_loop.runs"
+            )
     budget = closed_loop_policy(config, names[0])["budget"]
     if budget not in offline["budgets"]:
         raise ConfigError(
@@ -434,7 +443,7 @@ def _check_token_passes(config: dict, surveyed: list[int]) -> None:
     layer; the steps figures and exports draw from token stores are among them."""
     counts = []
     for name in config["checkpoints"]:
-        steps = len(sampler_settings(config, name)["steps"])
+        steps = denoising_steps(sampler_settings(config, name))
         try:
             passes = resolve_passes(config["capture"]["passes"], steps)
             tokens = resolve_passes(token_passes(config), steps, "capture.token_passes")
@@ -464,7 +473,7 @@ def _check_token_passes(config: dict, surveyed: list[int]) -> None:
 
 
 def _capture_passes(config: dict) -> list[int]:
-    steps = min(len(sampler_settings(config, n)["steps"]) for n in config["checkpoints"])
+    steps = min(denoising_steps(sampler_settings(config, n)) for n in config["checkpoints"])
     try:
         return resolve_passes(config["capture"]["passes"], steps)
     except ValueError as err:
@@ -492,11 +501,14 @@ def _check_text_fits(config: dict, name: str, model: WanConfig) -> None:
 def _check_sampler(config: dict, name: str) -> None:
     sampler = sampler_settings(config, name)
     key = f"checkpoints.{name}.sampler" if "sampler" in config["checkpoints"][name] else "sampler"
-    if sampler["warp"] and any(float(s) != int(s) for s in sampler["steps"]):
-        raise ConfigError(
-            f"{key}.steps: warped steps must be integers 1..1000, got {sampler['steps']}"
-        )
+    for name in ("steps", "first_block_steps"):
+        steps = sampler.get(name) or []
+        if sampler["warp"] and any(float(s) != int(s) for s in steps):
+            raise ConfigError(f"{key}.{name}: warped steps must be integers 1..1000, got {steps}")
     sizes = _layout(config, config["video"]["num_frames"], "video.num_frames")
+    if sampler["kind"] == "rolling":
+        _check_rolling(config, key, sampler, sizes)
+        return
     window = sampler["local_attn_size"]
     if window == -1 and sampler["sink_size"]:
         raise ConfigError(f"{key}.sink_size needs a window (local_attn_size != -1)")
@@ -504,3 +516,34 @@ def _check_sampler(config: dict, name: str) -> None:
         visible_frames(sizes, window, sampler["sink_size"])
     except ValueError as err:
         raise ConfigError(f"{key}: {err}") from None
+
+
+def _check_rolling(config: dict, key: str, sampler: dict, sizes: list[int]) -> None:
+    """Rolling Forcing's sampler: equal blocks, one step list, its own cache (the window of
+    `steps` blocks, the anchor block and the working cache within ROLLING_ATTENTION_FRAMES)."""
+    if config["video"]["independent_first_frame"]:
+        raise ConfigError(
+            f"{key}.kind: rolling has no independent first frame "
+            "(video.independent_first_frame: false)"
+        )
+    if sampler.get("first_block_steps") is not None:
+        raise ConfigError(
+            f"{key}.first_block_steps: the rolling sampler gives every block the same steps"
+        )
+    if (sampler["local_attn_size"], sampler["sink_size"]) != (-1, 0):
+        raise ConfigError(
+            f"{key}.local_attn_size / sink_size: the rolling sampler keeps Rolling Forcing's own "
+            f"cache (an anchor block and the newest frames, {ROLLING_ATTENTION_FRAMES} frames "
+            "attended); leave them at -1 / 0 (KV-cache policies: the closed loop)"
+        )
+    if ROLLING_ATTENTION_FRAMES % sizes[0]:
+        raise ConfigError(
+            f"video.frames_per_block={sizes[0]}: the rolling sampler needs blocks that divide "
+            f"Rolling Forcing's {ROLLING_ATTENTION_FRAMES} attended frames (1, 3, 7 or 21)"
+        )
+    window = len(sampler["steps"]) * sizes[0]
+    if window + sizes[0] > ROLLING_ATTENTION_FRAMES:
+        raise ConfigError(
+            f"{key}: a window of {len(sampler['steps'])} steps x {sizes[0]} frames and its "
+            f"anchor block exceed Rolling Forcing's {ROLLING_ATTENTION_FRAMES} attended frames"
+        )

@@ -22,6 +22,7 @@ from sinkscope.frames import (
     token_store_bytes,
 )
 from sinkscope.passes import resolve_passes
+from sinkscope.schedules import ROLLING_CACHE_FRAMES, denoising_steps
 
 from .entries import (
     closed_loop_policy,
@@ -63,6 +64,7 @@ class StoreGeometry:
     sizes: list[int]  # block sizes
     local_attn_size: int
     sink_size: int
+    rolling_steps: int | None = None  # Rolling Forcing's sampler, of that many steps
 
     @property
     def num_frames(self) -> int:
@@ -78,6 +80,7 @@ class StoreGeometry:
             "sizes": self.sizes,
             "local_attn_size": self.local_attn_size,
             "sink_size": self.sink_size,
+            "rolling_steps": self.rolling_steps,
         }
 
 
@@ -92,7 +95,7 @@ def store_geometry(
     video = config["video"]
     passes = token_passes(config) if store == "tokens" else config["capture"]["passes"]
     return StoreGeometry(
-        num_passes=len(resolve_passes(passes, len(sampler["steps"]))),
+        num_passes=len(resolve_passes(passes, denoising_steps(sampler))),
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
         sizes=block_sizes(
@@ -102,6 +105,7 @@ def store_geometry(
         ),
         local_attn_size=sampler["local_attn_size"],
         sink_size=sampler["sink_size"],
+        rolling_steps=len(sampler["steps"]) if sampler["kind"] == "rolling" else None,
     )
 
 
@@ -225,6 +229,9 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
             closed_loop_key_frames(closed_loop_policy(config, policy), g.num_frames, max(g.sizes))
             for policy in closed_loop_rollouts(config) or ["full"]
         )
+    elif g.rolling_steps is not None:
+        # Rolling Forcing's cache: the anchor and the newest clean frames (24 frames in all).
+        cached_frames = min(ROLLING_CACHE_FRAMES, g.num_frames)
     else:
         cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
     tokens = cached_frames * g.frame_seq_length
@@ -234,7 +241,13 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         "kv_cache": model.num_layers * 2 * tokens * model.dim * GPU_DTYPE_BYTES,
         "text_cache": model.num_layers * 2 * model.text_len * model.dim * GPU_DTYPE_BYTES,
         "capture": g.frame_seq_length * visible_keys * (4 + 2 if job == "extract" else 2 * 4),
-        "activations": 2 * max(g.sizes) * g.frame_seq_length * model.ffn_dim * GPU_DTYPE_BYTES,
+        # One call's FFN hidden states: a block, or Rolling Forcing's window of blocks.
+        "activations": 2
+        * max(g.sizes)
+        * (g.rolling_steps or 1)
+        * g.frame_seq_length
+        * model.ffn_dim
+        * GPU_DTYPE_BYTES,
         "overhead": GPU_OVERHEAD_BYTES,
     }
     parts["total"] = sum(parts.values())

@@ -28,6 +28,7 @@ from matplotlib.ticker import MaxNLocator
 
 from sinkscope import frames
 from sinkscope.analysis import figures, stats
+from sinkscope.schedules import KEY_VERSION, NOISY_VERSION, UNSEEN_VERSION
 from sinkscope.storage import atomic_path
 
 MEASURE_VARIABLES = {"logits": "logit_mean", "probabilities": "prob_mass"}
@@ -40,6 +41,7 @@ KEY_AXIS_LABELS = {"latent": "Key frame (latent)", "video": "Key frame (video)"}
 QUERY_AXIS_LABELS = {"latent": "Query frame (latent)", "video": "Query frame (video)"}
 
 UNSEEN_COLOR = "0.8"  # tiles the query frame could not see
+ANCHOR_LABEL = "anchor (block 0's keys, re-positioned)"  # Rolling Forcing's anchor, in legends
 MAP_LOG_DECADES = 1.0  # a probability map is drawn on a log scale when it spans more decades
 # Every cell of a colour map (and of a colorbar) is stroked in its own colour this wide (points),
 # so neighbours overlap: vector viewers otherwise antialias each cell's edge on its own and show
@@ -213,6 +215,69 @@ def frame_edges(num_frames: int, frame_axis: str = "latent") -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# key versions: which copy of a key frame a query saw (`key_version`, Contract 2)
+
+
+def marks_key_versions(ds: xr.Dataset) -> bool:
+    """Whether figures mark the key versions of `ds`: in a rolling run, or wherever a query saw
+    the anchor or a noisy copy of a frame outside its own block. Not where block-causal attention
+    says it all (Self-Forcing: the own block noisy, earlier frames clean), nor in datasets
+    without `key_version`."""
+    if "key_version" not in ds.variables:
+        return False
+    if ds.attrs.get("sampler_kind") == "rolling":
+        return True
+    versions = ds["key_version"].transpose("step", "query_frame", "key_frame").values
+    block_of = dict(
+        zip(ds["query_frame"].values.tolist(), ds["block"].values.tolist(), strict=True)
+    )
+    query_blocks = np.asarray(ds["block"].values)
+    key_blocks = np.array([block_of.get(k, -1) for k in ds["key_frame"].values.tolist()])
+    own_block = query_blocks[:, None] == key_blocks[None, :]
+    anchor = versions == KEY_VERSION["anchor"]
+    return bool(anchor.any() or ((versions >= NOISY_VERSION) & ~own_block).any())
+
+
+def key_versions(ds: xr.Dataset, step: int) -> np.ndarray:
+    """(query_frame, key_frame) version codes at `step` (`sinkscope.schedules`)."""
+    one = select_step(ds, step)["key_version"]
+    return one.transpose("query_frame", "key_frame").values.astype(np.int64)
+
+
+def last_block_versions(ds: xr.Dataset, step: int) -> np.ndarray:
+    """(key_frame,) the version of each key frame the last block's query frames saw at `step`;
+    UNSEEN_VERSION where some of them did not see it or they saw different copies."""
+    rows = key_versions(ds, step)[stats.last_block_rows(ds)]
+    agree = (rows == rows[0]).all(axis=0)
+    return np.where(agree, rows[0], UNSEEN_VERSION)
+
+
+def noisy_steps(ds: xr.Dataset) -> int:
+    """How many denoising steps the noisy version codes of `ds` can name."""
+    if "passes_per_block" in ds.attrs:
+        return int(ds.attrs["passes_per_block"]) - 1
+    return int((np.asarray(ds["pass_kind"].values) != "cache").sum())
+
+
+def version_label(ds: xr.Dataset, code: int) -> str:
+    """Legend label of a version code: ANCHOR_LABEL, 'clean copy', 'noisy copy, t=952.38': the
+    timestep of denoising step s where the dataset captured that pass (`passes` attribute: the
+    pass of each step label; without it the labels are the passes), else 'noisy copy, step s'."""
+    if code == KEY_VERSION["anchor"]:
+        return ANCHOR_LABEL
+    if code == KEY_VERSION["clean"]:
+        return "clean copy"
+    step = int(code) - NOISY_VERSION
+    passes = [int(p) for p in ds.attrs.get("passes", ds["step"].values)]
+    labels = [int(s) for s in ds["step"].values]
+    if step in passes and passes.index(step) < len(labels):
+        one = ds.sel(step=labels[passes.index(step)])
+        if pass_kind_of(one) != "cache":
+            return f"noisy copy, {timestep_label(one['timestep'].values, 'denoise')}"
+    return f"noisy copy, step {step}"
+
+
+# --------------------------------------------------------------------------------------------
 # style, panel grids and frame axes
 
 
@@ -362,6 +427,19 @@ def legend_handles(axes: Sequence[Axes]) -> dict[str, Line2D]:
             if not line.get_label().startswith("_"):
                 handles.setdefault(line.get_label(), line)
     return handles
+
+
+def row_major(handles: Sequence, ncols: int) -> list:
+    """`handles` reordered so that a legend of `ncols` columns, which matplotlib fills column by
+    column, reads them row by row."""
+    ncols = max(1, min(ncols, len(handles)))
+    rows, longer = divmod(len(handles), ncols)
+    column_rows = [rows + 1] * longer + [rows] * (ncols - longer)
+    return [
+        handles[row * ncols + column]
+        for column in range(ncols)
+        for row in range(column_rows[column])
+    ]
 
 
 def figure_legend(fig: Figure, ncols: int, **kwargs) -> None:

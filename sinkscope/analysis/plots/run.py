@@ -9,18 +9,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import matplotlib
+import matplotlib.patheffects as patheffects
 import numpy as np
 import pandas as pd
 import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-from matplotlib.transforms import ScaledTranslation
+from matplotlib.patches import Patch, PathPatch
+from matplotlib.path import Path
+from matplotlib.transforms import Affine2D, ScaledTranslation
 
 from sinkscope import frames
 from sinkscope.analysis import stats
+from sinkscope.schedules import KEY_VERSION, NOISY_VERSION
 
 from .common import (
+    ANCHOR_LABEL,
     COLUMN_WIDTH_IN,
     FULL_WIDTH_IN,
     KEY_AXIS_LABELS,
@@ -41,14 +46,20 @@ from .common import (
     frame_edges,
     head_label,
     key_frame_positions,
+    key_versions,
     last_block_profile,
+    last_block_versions,
     layer_of,
+    marks_key_versions,
+    noisy_steps,
     panel_grid,
     prompt_of,
+    row_major,
     select_step,
     series_colors,
     step_title,
     styled,
+    version_label,
 )
 
 MAP_LABELS = {
@@ -61,6 +72,18 @@ QUERY_BLOCK_COLOR = "0.9"  # the band over the query block's own key frames (fig
 ANNOTATIONS = ("max", "min")  # what figure4 may annotate (`figures.annotate`)
 BAR_COLOR = "#9ecae1"
 LINE_COLOR = "#08519c"
+# Key versions (rolling runs): the anchor's bars orange, noisy copies' purple and hatched,
+# darker the noisier; on the maps the anchor's cells outlined, the noisy ones hatched.
+ANCHOR_COLOR = "#fdae6b"
+ANCHOR_EDGE_COLOR = "#d94801"
+NOISY_CMAP = "Purples"
+NOISY_SHADES = (0.75, 0.3)  # where on NOISY_CMAP the first and the last step lie
+NOISY_HATCH = "////"
+LEGEND_COLUMNS = 4  # at most, in the legend of figure4
+MAP_ANCHOR_COLOR = "black"
+MAP_NOISY_HATCH = "/////"
+MAP_NOISY_COLOR = "0.45"  # mid grey: seen on dark and on light cells
+MAP_HALO_COLOR = "white"  # under the anchor's outline, so that it shows on dark cells
 
 
 def head_statistics(ds: xr.Dataset, measure: str = "logits", step: int = 0) -> pd.DataFrame:
@@ -95,15 +118,21 @@ def _draw_profile(
     *,
     annotate: Sequence[str] = (),
     block: Sequence[int] = (),
+    versions: np.ndarray | None = None,
+    num_steps: int = 0,
 ) -> None:
     """Bars and line of one profile over key frames, optionally with its maximum and minimum
-    annotated (`annotate`: 'max', 'min') and the key frames `block` (latent) shaded."""
+    annotated (`annotate`: 'max', 'min'), the key frames `block` (latent) shaded and each bar
+    styled by the version of its key frame (`versions`, codes; `num_steps` denoising steps)."""
     num_frames = values.shape[0]
     edges = frame_edges(num_frames, frame_axis)
     positions = key_frame_positions(num_frames, frame_axis)
     if len(block):
         _shade_block(ax, edges, block)
-    ax.bar(positions, values, width=0.8 * np.diff(edges), color=BAR_COLOR, linewidth=0)
+    bars = ax.bar(positions, values, width=0.8 * np.diff(edges), color=BAR_COLOR, linewidth=0)
+    if versions is not None:
+        for bar, code in zip(bars, versions, strict=True):
+            bar.set(**_bar_style(int(code), num_steps))
     ax.plot(positions, values, color=LINE_COLOR, marker="o")
     ax.axhline(0.0, color="0.5", linewidth=0.4)
     format_frame_axis(ax, num_frames, frame_axis)
@@ -134,8 +163,10 @@ def _draw_profile(
         shift = ScaledTranslation(
             (-6 if to_left else 6) / 72, (7 if above else -7) / 72, ax.figure.dpi_scale_trans
         )
+        anchor = versions is not None and versions[frame] == KEY_VERSION["anchor"]
         ax.annotate(
-            f"{what} {_format_value(value)}, {_frame_name(frame, frame_axis)}",
+            f"{what} {_format_value(value)}, {_frame_name(frame, frame_axis)}"
+            + (" (anchor)" if anchor else ""),
             xy=(positions[frame], value),
             xytext=(positions[frame], value if above else min(value, 0.0)),
             textcoords=ax.transData + shift,
@@ -150,6 +181,36 @@ def _draw_profile(
                 "relpos": (1.0 if to_left else 0.0, 0.0 if above else 1.0),
             },
         )
+
+
+def _bar_style(code: int, num_steps: int) -> dict:
+    """How a bar shows the version `code` of its key frame: clean as always, the anchor orange,
+    a noisy copy purple and hatched, darker the earlier (noisier) its step."""
+    if code == KEY_VERSION["anchor"]:
+        return {"facecolor": ANCHOR_COLOR, "edgecolor": ANCHOR_EDGE_COLOR, "linewidth": 0.6}
+    if code >= NOISY_VERSION:
+        darkest, lightest = NOISY_SHADES
+        late = min((code - NOISY_VERSION) / max(num_steps - 1, 1), 1.0)
+        return {
+            "facecolor": matplotlib.colormaps[NOISY_CMAP](darkest + (lightest - darkest) * late),
+            "edgecolor": "none",
+            "hatch": NOISY_HATCH,
+            "hatchcolor": "white",
+            "hatch_linewidth": 0.4,
+        }
+    return {}
+
+
+def _version_handles(ds: xr.Dataset, codes: set[int]) -> tuple[list[Patch], list[Patch]]:
+    """The legend entries of the version codes `codes`: (the anchor and the clean copy, the noisy
+    copies by step)."""
+    handles: tuple[list[Patch], list[Patch]] = ([], [])
+    for code in sorted(codes, key=lambda code: (code != KEY_VERSION["anchor"], code)):
+        if code < 0:
+            continue
+        style = {"facecolor": BAR_COLOR, "linewidth": 0, **_bar_style(code, noisy_steps(ds))}
+        handles[code >= NOISY_VERSION].append(Patch(**style, label=version_label(ds, code)))
+    return handles
 
 
 def _shade_block(ax: Axes, edges: np.ndarray, block: Sequence[int]) -> None:
@@ -219,26 +280,61 @@ def plot_figure4(
     profiles = {layer: last_block_profile(layers[layer], measure, step) for layer, _ in heads}
     first = next(iter(layers.values()))
     block = _query_block(first)
+    versions = {
+        layer: last_block_versions(ds, step)
+        for layer, ds in layers.items()
+        if marks_key_versions(ds)
+    }
+    shown: set[int] = set()  # the version codes of the bars drawn
+    for layer, head in heads:
+        if layer in versions:
+            seen = np.isfinite(profiles[layer].sel(head=head).values)
+            shown.update(int(code) for code in versions[layer][seen])
+    handles, ncols = _query_block_handles(block, _version_handles(first, shown))
 
+    legend_rows = math.ceil(len(handles) / ncols)
     fig = Figure(
-        figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3) + 0.2), layout="constrained"
+        figsize=(FULL_WIDTH_IN, 2.5 * math.ceil(len(heads) / 3) + 0.13 * legend_rows + 0.07),
+        layout="constrained",
     )
     for ax, (layer, head) in zip(panel_grid(fig, len(heads), 3), heads, strict=True):
-        values = profiles[layer].sel(head=head).values
-        _draw_profile(ax, values, frame_axis, annotate=annotate, block=block)
+        _draw_profile(
+            ax,
+            profiles[layer].sel(head=head).values,
+            frame_axis,
+            annotate=annotate,
+            block=block,
+            versions=versions.get(layer),
+            num_steps=noisy_steps(layers[layer]),
+        )
         ax.set_title(head_label(layer, head))
         ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
         ax.set_ylabel(PROFILE_LABELS[measure])
-    _query_block_legend(fig, block)
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols)
     title = last_block_label(first)
     fig.suptitle(f"{_run_title(first, step)} · {title}" if titles else capital(title))
     return fig
 
 
+def _query_block_handles(
+    block: Sequence[int], versions: tuple[Sequence[Patch], Sequence[Patch]] = ((), ())
+) -> tuple[list[Patch], int]:
+    """The legend under the panels, (handles in matplotlib's order, columns): the shaded band
+    (`_shade_block`) and the key versions the bars show (`_version_handles`), the noisy copies
+    on rows of their own."""
+    label = f"the query block's own key frames (latent {_span(block)})"
+    copies, noisy = versions
+    first = [Patch(color=QUERY_BLOCK_COLOR, label=label), *copies]
+    ncols = min(max(len(first), len(noisy)), LEGEND_COLUMNS)
+    if noisy:
+        first += [Patch(visible=False, label="")] * (-len(first) % ncols)  # noisy: a new row
+    return row_major([*first, *noisy], ncols), ncols
+
+
 def _query_block_legend(fig: Figure, block: Sequence[int]) -> None:
     """The legend under the panels naming the shaded band (`_shade_block`)."""
-    label = f"the query block's own key frames (latent {_span(block)})"
-    fig.legend(handles=[Patch(color=QUERY_BLOCK_COLOR, label=label)], loc="outside lower center")
+    handles, ncols = _query_block_handles(block)
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols)
 
 
 def last_block_label(ds: xr.Dataset) -> str:
@@ -342,29 +438,129 @@ def plot_frame_maps(
     query_edges = frame_edges(num_queries, frame_axis)
     blocks = np.asarray(ds["block"].values)
     block_starts = np.flatnonzero(np.diff(blocks)) + 1  # first query frame of every later block
+    versions = key_versions(ds, step) if marks_key_versions(ds) else None
 
     ncols = _grid_columns(num_heads)
     nrows = math.ceil(num_heads / ncols)
     fig = Figure(figsize=(FULL_WIDTH_IN, 1.6 * nrows + 0.7), layout="constrained")
     axes = panel_grid(fig, num_heads, ncols, sharex=True, sharey=True)
     mesh = None
-    for ax, head, head_map in zip(axes, maps["head"].values, shown, strict=True):
+    for index, (ax, head, head_map) in enumerate(
+        zip(axes, maps["head"].values, shown, strict=True)
+    ):
         mesh = draw_mesh(ax, key_edges, query_edges, head_map, cmap, norm)
         for start in block_starts:
             ax.axhline(query_edges[start], color="0.4", linewidth=0.3, alpha=0.5)
             if start < num_keys:
                 ax.axvline(key_edges[start], color="0.4", linewidth=0.3, alpha=0.5)
+        if versions is not None:
+            _mark_versions(ax, versions, key_edges, query_edges)
         boxed(ax)
         format_frame_axis(ax, num_keys, frame_axis)
         format_frame_axis(ax, num_queries, frame_axis, which="y")
         ax.set_ylim(query_edges[-1], query_edges[0])  # query frame 0 on top, like a matrix
         ax.set_aspect("equal")
         ax.set_title(head_label(layer_of(ds), head))
-    fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
+        if versions is not None and index + ncols >= num_heads:  # the legend takes the foot
+            ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+    if versions is None:
+        fig.supxlabel(KEY_AXIS_LABELS[frame_axis])
+    else:
+        fig.legend(handles=_map_version_handles(versions), loc="outside lower center", ncols=2)
     fig.supylabel(QUERY_AXIS_LABELS[frame_axis])
     fig.suptitle(_titled(f"Layer {layer_of(ds)}, query x key frames", ds, step, titles))
     add_colorbar(fig, mesh, axes, MAP_LABELS[measure])
     return fig
+
+
+def _mark_versions(
+    ax: Axes, versions: np.ndarray, key_edges: np.ndarray, query_edges: np.ndarray
+) -> None:
+    """Mark a map's cells by key version (`versions`: query x key codes): the noisy copies
+    hatched, the anchor's cells outlined; clean copies and unseen cells unmarked."""
+    noisy = versions >= NOISY_VERSION
+    if noisy.any():
+        cells = [
+            Path.unit_rectangle().transformed(_cell_transform(key_edges, query_edges, query, key))
+            for query, key in zip(*np.nonzero(noisy), strict=True)
+        ]
+        ax.add_patch(
+            PathPatch(
+                Path.make_compound_path(*cells),
+                facecolor="none",
+                edgecolor="none",
+                hatch=MAP_NOISY_HATCH,
+                hatchcolor=MAP_NOISY_COLOR,
+                hatch_linewidth=0.4,
+                label="_noisy copies",
+            )
+        )
+    anchor = versions == KEY_VERSION["anchor"]
+    if anchor.any():
+        segments = _outline(anchor, key_edges, query_edges)
+        codes = [Path.MOVETO, Path.LINETO] * len(segments)
+        ax.add_patch(
+            PathPatch(  # one path, so that its halo is drawn under all of it at once
+                Path(np.concatenate(segments), codes),
+                fill=False,
+                edgecolor=MAP_ANCHOR_COLOR,
+                linewidth=0.9,
+                capstyle="projecting",
+                path_effects=[patheffects.withStroke(linewidth=2.0, foreground=MAP_HALO_COLOR)],
+                label="_anchor",
+            )
+        )
+
+
+def _cell_transform(
+    key_edges: np.ndarray, query_edges: np.ndarray, query: int, key: int
+) -> Affine2D:
+    """The unit square onto the map cell (query, key)."""
+    return (
+        Affine2D()
+        .scale(key_edges[key + 1] - key_edges[key], query_edges[query + 1] - query_edges[query])
+        .translate(key_edges[key], query_edges[query])
+    )
+
+
+def _outline(mask: np.ndarray, x_edges: np.ndarray, y_edges: np.ndarray) -> list[np.ndarray]:
+    """The segments around the cells of `mask` (rows on y, columns on x) inside the map: every
+    cell side whose neighbour is outside the mask, but not the map's border (the spines')."""
+    segments = []
+    columns = np.diff(mask.astype(int), axis=1)  # between column c and c + 1
+    for row, column in zip(*np.nonzero(columns), strict=True):
+        x = x_edges[column + 1]
+        segments.append(np.array([(x, y_edges[row]), (x, y_edges[row + 1])]))
+    rows = np.diff(mask.astype(int), axis=0)  # between row r and r + 1
+    for row, column in zip(*np.nonzero(rows), strict=True):
+        y = y_edges[row + 1]
+        segments.append(np.array([(x_edges[column], y), (x_edges[column + 1], y)]))
+    return segments
+
+
+def _map_version_handles(versions: np.ndarray) -> list[Patch]:
+    """The legend of `_mark_versions`: the marks the maps show."""
+    handles = []
+    if (versions == KEY_VERSION["anchor"]).any():
+        handles.append(
+            Patch(
+                facecolor="none",
+                edgecolor=MAP_ANCHOR_COLOR,
+                linewidth=0.9,
+                label=ANCHOR_LABEL,
+            )
+        )
+    if (versions >= NOISY_VERSION).any():
+        handles.append(
+            Patch(
+                facecolor="none",
+                edgecolor="none",
+                hatch=MAP_NOISY_HATCH,
+                hatchcolor=MAP_NOISY_COLOR,
+                label="noisy copy (a block of the denoising window)",
+            )
+        )
+    return handles
 
 
 def frame_map_values(ds: xr.Dataset, measure: str, step: int) -> xr.DataArray:
