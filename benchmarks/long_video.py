@@ -32,7 +32,7 @@ _roll_out`): `CachePolicy("window", 12)` (a 12-frame window, LongLive's) and its
 (`CachePolicy.new_caches`), a `RolloutPlan` with the policy's window, one `SlotStoreWriter` per
 layer from `plan_stores(..., "attention", key_slots=12 x T)` (the slots of
 `frames.closed_loop_key_frames`), `LogitCapture` under `PositionProbe`, and `sampling.rollout`
-with the policy's caches. Its `on_pass` hook stamps the first pass of each block: a block's time
+with the policy's caches. Its `on_call` hook stamps the first pass of each block: a block's time
 runs from its first pass to the next block's first pass, the last block's until the rollout
 returns (the writer threads keep running meanwhile; their close is reported apart). Single
 blocks drift by a few percent, so the time ratio compares medians of 3 blocks; single blocks are
@@ -179,11 +179,11 @@ def run_loop(args) -> dict:
         )
         probe = PositionProbe(t, capture)
 
-        def on_pass(block: int, pass_index: int, kind: str, timestep: float) -> None:
-            if pass_index == 0:
+        def on_call(index: int, call, timesteps) -> None:
+            if call.parts[0].pass_index == 0:
                 starts.append(time.perf_counter())
                 cpu_starts.append(cpu_seconds())
-            probe.begin_pass(block, pass_index, kind, timestep)
+            probe.begin_call(index, call, timesteps)
 
         model.set_capture(probe, probe.layers)
         try:
@@ -193,7 +193,7 @@ def run_loop(args) -> dict:
                 geometry=geo,
                 schedule=plan.schedule,
                 seed=plan.seed,
-                on_pass=on_pass,
+                on_call=on_call,
                 progress=False,
                 caches=caches,
             )

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sinkscope.cache_choices import PARTICIPATIVE_POLICIES
-from sinkscope.schedules import rolling_visible
+from sinkscope.schedules import ROLLING_ATTENTION_FRAMES, rolling_visible
 
 
 def block_sizes(
@@ -250,13 +250,18 @@ def export_bytes(
     }
 
 
-def closed_loop_key_frames(policy: dict, num_frames: int, frames_per_block: int) -> int:
+def closed_loop_key_frames(
+    policy: dict, num_frames: int, frames_per_block: int, rolling: bool = False
+) -> int:
     """Frames' worth of keys a call of a closed-loop rollout under `policy` (its settings entry:
     name, budget, capacity) sees at most: the key slots of its attention stores. The full cache
-    sees every frame; Participative Compression holds its capacity and one block before a prune;
-    the others at most their budget (top_c: C tokens, R frames and the own block)."""
+    sees every frame (under the `rolling` sampler, Rolling Forcing's 21); Participative
+    Compression holds its capacity and one block before a prune; the others at most their budget
+    (top_c: C tokens, R frames and the own block; the rolling sampler's window included)."""
     name = policy["name"]
-    if name == "full":
+    if rolling:
+        frames = ROLLING_ATTENTION_FRAMES if name == "full" else policy["budget"]
+    elif name == "full":
         frames = num_frames
     elif name in PARTICIPATIVE_POLICIES:
         frames = policy["capacity"] + frames_per_block

@@ -162,7 +162,7 @@ class KeyRun:
 
     first_frame: int
     frames: int
-    version: str
+    version: str  # anchor | clean | sink (a clean sink at its own position) | window
     position: int
 
 
@@ -213,6 +213,68 @@ def rolling_keys(
     if before:
         runs.append(KeyRun(call.start - before, before, "clean", call.start - before))
     return [*runs, KeyRun(call.start, call.frames, "window", call.start)]
+
+
+# The KV-cache policies the rolling sampler runs (Contract 6): Rolling Forcing's own cache
+# (`full`, the reference) and what each policy keeps in its place.
+ROLLING_POLICIES = ("full", "window", "sink_window", "deep_sink")
+
+
+def rolling_policy_keys(
+    calls: Sequence[ModelCall],
+    index: int,
+    frames_per_block: int,
+    name: str = "full",
+    budget: int = ROLLING_ATTENTION_FRAMES,
+    sinks: int = 0,
+) -> list[KeyRun]:
+    """The keys call `index` of `rolling_calls` reads under the KV-cache policy `name`, `budget`
+    frames in all (the window included) and `sinks` sink frames (docs/DESIGN.md, Contract 6).
+
+    `full` is Rolling Forcing's cache (`rolling_keys`). A window call starting at s > 0 with q
+    frames sees: `window` the min(s, B - q) newest clean frames; `sink_window` the sinks (clean,
+    at their own positions, version `sink`) and the min(s - S, B - S - q) newest clean frames;
+    `deep_sink` the same frames with the sinks turned to sit just before the clean ones, as
+    Rolling Forcing moves its anchor (version `anchor`). A clean pass sees the last B frames of
+    [sinks | clean frames | own block] at their own positions."""
+    if name == "full":
+        return rolling_keys(calls, index, frames_per_block, budget)
+    if name not in ROLLING_POLICIES:
+        raise ValueError(f"policy {name!r} does not run on the rolling sampler {ROLLING_POLICIES}")
+    call = calls[index]
+    sinks = 0 if name == "window" else sinks
+    own = [(f, "window", f) for f in range(call.start, call.end)]
+    if call.start == 0:
+        return _runs(own)
+    start = call.start
+    if call.kind == "cache":
+        history = [(f, "sink" if f < sinks else "clean", f) for f in range(start)]
+        return _runs([*history, *own][-budget:])
+    working = max(0, min(start - sinks, budget - sinks - call.frames))
+    if name == "deep_sink":
+        first = start - working - sinks
+        head = [(f, "anchor", first + f) for f in range(sinks)]
+    else:
+        head = [(f, "sink", f) for f in range(sinks)]
+    clean = [(f, "clean", f) for f in range(start - working, start)]
+    return _runs([*head, *clean, *own])
+
+
+def _runs(entries: Sequence[tuple[int, str, int]]) -> list[KeyRun]:
+    """(frame, version, position) entries gathered into runs of consecutive frames."""
+    runs: list[KeyRun] = []
+    for frame, version, position in entries:
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.version == version
+            and last.first_frame + last.frames == frame
+            and last.position + last.frames == position
+        ):
+            runs[-1] = KeyRun(last.first_frame, last.frames + 1, version, last.position)
+        else:
+            runs.append(KeyRun(frame, 1, version, position))
+    return runs
 
 
 def key_frames_of(runs: Sequence[KeyRun]) -> list[tuple[int, str, int]]:

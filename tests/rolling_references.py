@@ -36,6 +36,26 @@ The rules (A = frames of block 0 = frames per block, S steps, F frames per block
   frames are read only as the anchor.
 - Timesteps: Self-Forcing's FlowMatchScheduler(shift, sigma_min=0, extra_one_step=True) table in
   float32, step s warped to the training timestep of index 1000 - s; sigma(t) by nearest lookup.
+
+KV-cache policies in place of Rolling Forcing's cache (`Policy`; the lead's spec for issue 26).
+B (`budget`) counts every key frame a call reads, its own frames included; S (`sinks`) <= A sink
+frames, block 0's first. A window call starting at frame s with q frames, once block 0 has left
+the window (before that: its own frames only, whatever the policy):
+- full: Rolling Forcing's own cache, as above (B = 21).
+- window: [clean frames s-w .. s-1 | window], w = min(s, B - q); block 0's frames are clean
+  frames like any other (post-RoPE keys of its last clean pass).
+- sink_window: [sinks 0 .. S-1 at their own positions | clean s-w .. s-1 | window],
+  w = min(s - S, B - S - q).
+- deep_sink: sink_window's frames, the sinks at positions s-w-S .. s-w-1 (where full puts its
+  anchor). Turn `rerope`: block 0's keys before RoPE (last clean pass) given full 3D RoPE there,
+  as the anchor; turn `delta`: the sinks' post-RoPE keys at their own positions (model dtype, as
+  stored), their temporal channels multiplied by exp(i omega (target - own position)) in
+  float64 and cast back, afresh at every call.
+Clean pass of block b (start c): window, the last <= B frames of [clean 0 .. c-1 | own block];
+sink_window and deep_sink, the last <= B frames of [sinks 0 .. S-1 at their own positions |
+clean S .. c-1 | own block]; block 0 sees only itself. Key kinds: `own` (the call's frames),
+`recent` (clean frames), `sink` (sink_window's sinks; deep_sink's in clean passes), `anchor`
+(full's anchor, deep_sink's turned sinks in window calls).
 """
 
 from __future__ import annotations
@@ -81,6 +101,34 @@ def sigma_of(timestep: float, shift: float = 5.0) -> float:
 # which calls, which keys
 # --------------------------------------------------------------------------------------------
 
+POLICIES = ("full", "window", "sink_window", "deep_sink")
+TURNS = ("rerope", "delta")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The cache in place of Rolling Forcing's: `budget` B key frames a call reads at most (own
+    frames included), `sinks` S sink frames (sink_window, deep_sink), `turn` of deep_sink's sinks
+    in window calls (rerope | delta; no other policy turns keys). `full`: Rolling Forcing's own
+    (B = `attention_frames`, 21; the anchor)."""
+
+    name: str = "full"
+    budget: int = ATTENTION_FRAMES
+    sinks: int = 0
+    turn: str = "rerope"
+
+    def check(self, per_block: int) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"policy {self.name!r} is not one of {POLICIES}")
+        if self.turn not in TURNS:
+            raise ValueError(f"turn {self.turn!r} is not one of {TURNS}")
+        if self.name in ("sink_window", "deep_sink") and not 0 < self.sinks <= per_block:
+            raise ValueError(f"{self.sinks} sink frames: 1 .. {per_block} (block 0's frames)")
+
+
+FULL = Policy()
+KIND_OF_VERSION = {"window": "own", "clean": "recent", "anchor": "anchor"}
+
 
 @dataclass(frozen=True)
 class Key:
@@ -91,6 +139,11 @@ class Key:
     version: str  # anchor | clean | window
     position: int
     step: int | None = None
+    kind: str = ""  # own | recent | sink | anchor; "" -> KIND_OF_VERSION[version]
+
+    def __post_init__(self):
+        if not self.kind:
+            object.__setattr__(self, "kind", KIND_OF_VERSION[self.version])
 
 
 def window_blocks(w: int, num_blocks: int, num_steps: int) -> list[tuple[int, int]]:
@@ -100,7 +153,10 @@ def window_blocks(w: int, num_blocks: int, num_steps: int) -> list[tuple[int, in
 
 
 def window_keys(
-    blocks: list[tuple[int, int]], per_block: int, attention_frames: int = ATTENTION_FRAMES
+    blocks: list[tuple[int, int]],
+    per_block: int,
+    attention_frames: int = ATTENTION_FRAMES,
+    policy: Policy = FULL,
 ) -> list[Key]:
     A = per_block  # the anchor is block 0
     s = blocks[0][0] * per_block
@@ -112,6 +168,8 @@ def window_keys(
     ]
     if blocks[0][0] == 0:  # the window still holds block 0: no anchor, no cache
         return own
+    if policy.name != "full":
+        return policy_window_keys(s, frames, policy) + own
     room = attention_frames - A - frames
     if room < 0:
         raise ValueError(f"a window of {frames} frames and the anchor exceed {attention_frames}")
@@ -122,33 +180,66 @@ def window_keys(
     return anchor + clean + own
 
 
-def cache_keys(block: int, per_block: int, attention_frames: int = ATTENTION_FRAMES) -> list[Key]:
+def policy_window_keys(s: int, frames: int, policy: Policy) -> list[Key]:
+    """The keys before the window's own frames in a window call of a policy other than full
+    (the window starts at frame s > 0 and holds `frames` frames)."""
+    B, S = policy.budget, policy.sinks
+    if policy.name == "window":
+        w = min(s, B - frames)
+        if w < 0:
+            raise ValueError(f"a window of {frames} frames exceeds the budget {B}")
+        return [Key(f, "clean", f) for f in range(s - w, s)]
+    w = min(s - S, B - S - frames)
+    if w < 0:
+        raise ValueError(f"a window of {frames} frames and {S} sinks exceed the budget {B}")
+    clean = [Key(f, "clean", f) for f in range(s - w, s)]
+    if policy.name == "sink_window":
+        sinks = [Key(j, "clean", j, kind="sink") for j in range(S)]
+    else:  # deep_sink: right before the clean frames, as the anchor
+        sinks = [Key(j, "anchor", s - w - S + j) for j in range(S)]
+    return sinks + clean
+
+
+def cache_keys(
+    block: int,
+    per_block: int,
+    attention_frames: int = ATTENTION_FRAMES,
+    policy: Policy = FULL,
+) -> list[Key]:
     A = per_block
     c = block * per_block
     own = [Key(c + i, "window", c + i) for i in range(per_block)]
     if block == 0:
         return own
+    if policy.name == "window":
+        rows = [Key(f, "clean", f) for f in range(c)]
+        return (rows + own)[-policy.budget :]
+    if policy.name != "full":  # the sinks at their own positions
+        rows = [Key(j, "clean", j, kind="sink") for j in range(policy.sinks)]
+        rows += [Key(f, "clean", f) for f in range(policy.sinks, c)]
+        return (rows + own)[-policy.budget :]
     rows = [Key(j, "anchor", j) for j in range(A)]
     rows += [Key(f, "clean", f) for f in range(A, c)]
     return (rows + own)[-attention_frames:]
 
 
-def key_runs(keys: list[Key]) -> list[tuple[int, int, str, int]]:
+def key_runs(keys: list[Key], kinds: bool = False) -> list[tuple]:
     """(first frame, frames, version, first position) of each run of consecutive frames at
-    consecutive positions with one version."""
+    consecutive positions with one version and one kind (`kinds`: the kind after the version)."""
     runs: list[list] = []
     for key in keys:
         last = runs[-1] if runs else None
         if (
             last is not None
             and last[2] == key.version
+            and last[4] == key.kind
             and key.frame == last[0] + last[1]
             and key.position == last[3] + last[1]
         ):
             last[1] += 1
         else:
-            runs.append([key.frame, 1, key.version, key.position])
-    return [tuple(run) for run in runs]
+            runs.append([key.frame, 1, key.version, key.position, key.kind])
+    return [tuple(run if kinds else run[:4]) for run in runs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +271,10 @@ class Call:
         return [(key.frame, key.version, key.position) for key in self.keys]
 
     @property
+    def kinds(self) -> list[str]:
+        return [key.kind for key in self.keys]
+
+    @property
     def runs(self) -> list[tuple[int, int, str, int]]:
         return key_runs(self.keys)
 
@@ -200,6 +295,7 @@ class Layer:
     width: int
     per_block: int
     keep: bool  # keep this layer's q and k of every call, for the logits
+    policy: Policy = FULL
     anchor: tuple[torch.Tensor, torch.Tensor] | None = None
     clean: dict = field(default_factory=dict)  # frame -> (k_post [T, H, D], v, call index)
     call: Call | None = None
@@ -208,6 +304,19 @@ class Layer:
     def rotate(self, x: torch.Tensor, position: int) -> torch.Tensor:
         rot = self.rope.rotation([position] * self.T, list(range(self.T)), self.width)
         return Rope.apply(x, rot)
+
+    def turn(self, k_post: torch.Tensor, delta: int) -> torch.Tensor:
+        """Post-RoPE keys [T, heads, d] moved `delta` frames in time: the temporal channel pairs
+        (the first d_t / 2) times exp(i omega_j delta) in float64, back in the keys' dtype; the
+        spatial channels untouched."""
+        d_t = self.rope.dims[0]  # Wan: pair j of the temporal axis turns at 10000^(-2j / d_t)
+        omega = 10000.0 ** -(torch.arange(0, d_t, 2, dtype=torch.float64) / d_t)
+        angles = delta * omega
+        turn = torch.polar(torch.ones_like(angles), angles)
+        n, heads, _ = k_post.shape
+        z = k_post[..., :d_t].to(torch.float64).reshape(n, heads, d_t // 2, 2)
+        turned = torch.view_as_real(torch.view_as_complex(z) * turn).reshape(n, heads, d_t)
+        return torch.cat([turned.to(k_post.dtype), k_post[..., d_t:]], dim=-1)
 
     def attend(self, q, k, v, start_frame: int, grid, attention: str) -> torch.Tensor:
         call, T = self.call, self.T
@@ -228,10 +337,17 @@ class Layer:
                 keys.append(k_own[own[key.frame]])
                 values.append(v[rows(own[key.frame])])
             elif key.version == "clean":
-                assert key.frame >= self.per_block, "block 0 is read only as the anchor"
+                if self.policy.name == "full":
+                    assert key.frame >= self.per_block, "block 0 is read only as the anchor"
                 k_post, value, _ = self.clean[key.frame]
                 assert key.position == key.frame  # stored at its own position
                 keys.append(k_post)
+                values.append(value)
+            elif self.policy.name == "deep_sink" and self.policy.turn == "delta":
+                # deep_sink's sinks, turned afresh from their own place at every call
+                assert key.frame < self.policy.sinks
+                k_post, value, _ = self.clean[key.frame]
+                keys.append(self.turn(k_post, key.position - key.frame))
                 values.append(value)
             else:
                 k_raw, value = self.anchor
@@ -271,22 +387,25 @@ def reference_rolling(
     dtype: torch.dtype = torch.float32,
     attention_frames: int = ATTENTION_FRAMES,
     keep_layers: set[int] | None = None,
+    policy: Policy = FULL,
 ) -> Result:
     """Clean latents of Rolling Forcing's pipeline and the record of every model call.
 
     `geometry`: num_frames, frames_per_block, latent_height, latent_width, channels (equal
     blocks, no independent first frame). `keep_layers`: the layers whose queries and keys
-    every call keeps for `Call.logits` (None: all)."""
+    every call keeps for `Call.logits` (None: all). `policy`: the KV cache in place of Rolling
+    Forcing's (`Policy`; default its own)."""
     cfg = model.config
     F_ = geometry.frames_per_block
     if getattr(geometry, "independent_first_frame", False) or geometry.num_frames % F_:
         raise ValueError("Rolling Forcing runs equal blocks")
+    policy.check(F_)
     N, S = geometry.num_frames // F_, len(steps)
     height = geometry.latent_height // cfg.patch_size[1]
     width = geometry.latent_width // cfg.patch_size[2]
     rope = Rope(cfg.head_dim)
     layers = [
-        Layer(i, rope, height * width, width, F_, keep_layers is None or i in keep_layers)
+        Layer(i, rope, height * width, width, F_, keep_layers is None or i in keep_layers, policy)
         for i in range(cfg.num_layers)
     ]
     C, H, W = geometry.channels, geometry.latent_height, geometry.latent_width
@@ -326,7 +445,7 @@ def reference_rolling(
                 start=start,
                 frames=frames,
                 timesteps=[timesteps[step] for _, step in blocks for _ in range(F_)],
-                keys=window_keys(blocks, F_, attention_frames),
+                keys=window_keys(blocks, F_, attention_frames, policy),
             )
             velocity = run(call, torch.cat([x[b] for b, _ in blocks], dim=2))
             for i, (b, step) in enumerate(blocks):
@@ -349,7 +468,7 @@ def reference_rolling(
                 start=oldest * F_,
                 frames=F_,
                 timesteps=[0.0] * F_,
-                keys=cache_keys(oldest, F_, attention_frames),
+                keys=cache_keys(oldest, F_, attention_frames, policy),
             )
             run(clean_pass, x0[oldest], final_first_block=oldest == 0 and step == S - 1)
     assert not output.isnan().any()

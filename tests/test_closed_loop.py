@@ -407,3 +407,55 @@ def test_the_long_video_demo_runs_without_a_reference(demo_run, tmp_path):
     assert (root / "results/figures/compare/closed_loop_collapse.svg").stat().st_size > 10_000
     store = xr.open_zarr(folder / "replay/layer0.zarr")
     assert (store["slot_kind"].values == KEY_KIND["replayed"]).any()
+
+
+def test_a_rolling_closed_loop_over_slots_is_its_survey(tmp_path):
+    """Under the rolling sampler: the full closed loop (Rolling Forcing's own cache) captured
+    over its slots reduces to the survey of the same rollout, key versions included; deep_sink
+    turned as Rolling Forcing turns its anchor (rerope, S = 3, B = 21) is that cache, bit for bit;
+    a smaller budget changes the video."""
+    video = {"num_frames": 24, "frames_per_block": 3, "latent_height": 4, "latent_width": 4}
+    prompt, settings = _write_inputs(tmp_path, video=video)
+    sampler = {**settings["sampler"], "kind": "rolling", "steps": [1000, 800, 600, 400, 200]}
+    settings = {**settings, "sampler": sampler}
+    common = {"checkpoint_name": "tiny", "prompt_name": "p", "prompt_embeddings": prompt}
+    _loop(
+        tmp_path,
+        common,
+        settings,
+        "full",
+        {"name": "full"},
+        layers=[0],
+        stores=[tmp_path / "l.zarr"],
+    )
+    extract(
+        **common,
+        layers=[0],
+        outputs=[tmp_path / "s.zarr"],
+        settings=settings,
+        store="attention",
+        progress=False,
+    )
+    assert xr.open_zarr(tmp_path / "l.zarr").sizes["key_slot"] == 21 * 4
+    reduce_attention_store(tmp_path / "l.zarr", tmp_path / "lf.zarr")
+    reduce_attention_store(tmp_path / "s.zarr", tmp_path / "sf.zarr")
+    got, want = (xr.open_zarr(tmp_path / name) for name in ("lf.zarr", "sf.zarr"))
+    np.testing.assert_allclose(got["prob_mass"], want["prob_mass"], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(got["key_version"], want["key_version"])
+    assert (want["key_version"].values == 1).any()  # the anchor
+    full, _ = load_latents(tmp_path / "full.safetensors")
+    turned = {"name": "deep_sink", "budget": 21, "sink_frames": 3, "turn": "rerope"}
+    rows, blocks = _loop(
+        tmp_path, common, settings, "ds", turned, reference=tmp_path / "full.safetensors"
+    )
+    assert torch.equal(load_latents(tmp_path / "ds.safetensors")[0], full)
+    assert all(float(r["rel_l2"]) == 0.0 for r in rows)
+    # The anchor sits just before the working cache: block 7's window starts at 9 after 3 clean
+    # frames, so the anchor is at 3; before, at 0 (or frame 0 is in the window itself).
+    assert [int(b["query_position"]) for b in blocks] == list(range(0, 24, 3))
+    assert [int(b["sink_position"]) for b in blocks] == [0] * 7 + [3]
+    window = {"name": "window", "budget": 18}
+    rows, _ = _loop(
+        tmp_path, common, settings, "w", window, reference=tmp_path / "full.safetensors"
+    )
+    assert max(float(r["rel_l2"]) for r in rows) > 1e-4

@@ -197,6 +197,42 @@ def test_schema_refuses(change, message):
             ),
             "closed_loop.reference: full at closed_loop.num_frames=3000 needs about",
         ),
+        (
+            lambda c: c["sampler"].update(kind="rolling", local_attn_size=12),
+            "sampler.local_attn_size / sink_size: the rolling sampler keeps Rolling Forcing's",
+        ),
+        (
+            lambda c: (
+                c["sampler"].update(kind="rolling")
+                or c["video"].update(frames_per_block=2)
+                or c["video"].update(num_frames=20)
+            ),
+            "video.frames_per_block=2: the rolling sampler needs blocks that divide",
+        ),
+        (
+            lambda c: c["sampler"].update(kind="rolling", first_block_steps=[1000, 500]),
+            "sampler.first_block_steps: the rolling sampler gives every block the same steps",
+        ),
+        (
+            lambda c: (
+                c["sampler"].update(kind="rolling", steps=[1000, 900, 800, 600, 400, 200, 100])
+                or c["closed_loop"].update(policies=[])
+            ),
+            "a window of 7 steps x 3 frames and its anchor block exceed Rolling Forcing's 21",
+        ),
+        (
+            lambda c: c["sampler"].update(kind="rolling"),
+            "closed_loop.policies: ['participative', 'deep_forcing', 'top_c'] do not run on the "
+            "rolling sampler",
+        ),
+        (
+            lambda c: (
+                c["sampler"].update(kind="rolling")
+                or c["closed_loop"].update(policies=["sink_window"])
+            ),
+            "closed_loop.budget=9: sink_window on the rolling sampler of checkpoint 'demo_a' "
+            "needs at least 15 frames",
+        ),
     ],
     ids=[
         "missing-checkpoint",
@@ -231,6 +267,12 @@ def test_schema_refuses(change, message):
         "closed-loop-integer",
         "closed-loop-window-beyond-the-length",
         "closed-loop-full-reference-beyond-the-gpu",
+        "rolling-with-a-window",
+        "rolling-blocks-split-its-cache",
+        "rolling-first-block-steps",
+        "rolling-window-beyond-its-cache",
+        "rolling-closed-loop-policies",
+        "rolling-closed-loop-budget",
     ],
 )
 def test_check_config_names_the_key(change, message):

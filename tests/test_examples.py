@@ -234,7 +234,8 @@ def test_examples_of_the_other_samplers_run_their_survey(example_root, example):
 
 def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
     """examples/demo/rolling_forcing.yaml (README.md, "The model"): the demo DAG under the
-    rolling sampler, without the closed loop it does not support."""
+    rolling sampler, its closed loop the policies that run there, against Rolling Forcing's own
+    cache."""
     root = copy_workflow(tmp_path / "w")
     (root / "examples" / "demo").mkdir(parents=True)
     name = "examples/demo/rolling_forcing.yaml"
@@ -243,4 +244,4 @@ def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
     assert {w for rule, w in jobs if rule == "survey"} == {
         f"checkpoint={c}, prompt={p}" for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
     }
-    assert not any(rule.startswith("closed_loop") for rule, _ in jobs)
+    assert ("closed_loop", "checkpoint=demo_a, prompt=eagle") in jobs

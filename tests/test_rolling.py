@@ -12,14 +12,19 @@ import pytest
 import torch
 
 from sinkscope.cache_choices import KEY_KIND
-from sinkscope.extraction.sampling import Geometry, Schedule, rollout
+from sinkscope.extraction.cache_policies import CachePolicy
+from sinkscope.extraction.rolling import rolling_caches
+from sinkscope.extraction.sampling import Geometry, Schedule, model_calls, rollout
 from sinkscope.schedules import rolling_calls, rolling_keys
 from sinkscope.wan.config import WanConfig
 
 from .conftest import make_tiny_model
+from .released_caches import Rope
 from .rolling_references import (
     LONG_VIDEO_STEPS,
     ROLLING_STEPS,
+    Layer,
+    Policy,
     cache_keys,
     key_runs,
     reference_rolling,
@@ -54,10 +59,10 @@ def per_frame_rel(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     return ((a - b).norm(dim=1) / b.norm(dim=1)).numpy()
 
 
-def package_rolling(model, text, geo: Geometry, steps):
+def package_rolling(model, text, geo: Geometry, steps, caches=None):
     """Latents; per call (kind, [(block, step)], part timesteps); per (call, layer) the visible
     keys' frames, positions and kind codes and the logits q.k / sqrt(d), float64
-    [heads, queries, keys]."""
+    [heads, queries, keys]. `caches`: rollout's (None: Rolling Forcing's own)."""
     calls, seen, index = [], {}, []
 
     def on_call(i, call, timesteps):
@@ -83,10 +88,40 @@ def package_rolling(model, text, geo: Geometry, steps):
             seed=SEED,
             progress=False,
             on_call=on_call,
+            caches=caches,
         )
     finally:
         model.set_capture(None)
     return latents, calls, seen
+
+
+def assert_is_the_reference(geo: Geometry, latents, calls, seen, ref) -> None:
+    """Latents on every frame within 1e-5 of the reference (float32 against float64 attention);
+    every call the reference's blocks, steps and timesteps; at every call of every layer the
+    reference's keys (frame, temporal position and kind, in attention order) and logits within
+    1e-5 relative."""
+    error = per_frame_rel(latents, ref.latents)
+    assert error.max() < 1e-5, error
+    assert len(calls) == len(ref.calls)
+    for (i, kind, parts, timesteps, start, frames), want in zip(calls, ref.calls, strict=True):
+        assert i == want.index
+        assert (kind, start, frames) == (want.kind, want.start, want.frames), i
+        assert parts == list(zip(want.blocks, want.steps, strict=True)), i
+        per_frame = [t for t in timesteps for _ in range(geo.frames_per_block)]
+        np.testing.assert_allclose(per_frame, want.timesteps, rtol=0, atol=1e-3, err_msg=str(i))
+    assert sorted(seen) == [(i, layer) for i in range(len(ref.calls)) for layer in (0, 1)]
+    for (i, layer), (tokens, positions, kinds, logits) in seen.items():
+        want = ref.calls[i]
+        want_tokens = [frame * T + j for frame, _, _ in want.key_list for j in range(T)]
+        want_positions = [position for _, _, position in want.key_list for _ in range(T)]
+        want_kinds = [KEY_KIND[kind] for kind in want.kinds for _ in range(T)]
+        assert tokens == want_tokens, (i, layer)  # frames, every token of each, in order
+        assert positions == want_positions, (i, layer)
+        assert kinds == want_kinds, (i, layer)
+        expected = want.logits(layer)
+        assert logits.shape == expected.shape, (i, layer)
+        rel = float((logits - expected).abs().max() / expected.abs().max())
+        assert rel < 1e-5, (i, layer, rel)
 
 
 # (blocks, frames per block, steps): 5 blocks never fill a window past block 0; 7 and 9 reach
@@ -105,34 +140,14 @@ CASES += [(25, 1, ROLLING_STEPS)]
 def test_rolling_is_the_reference(blocks, per_block, steps):
     """Latents on every frame within 1e-5 of the reference (float32 against float64 attention);
     every call the reference's blocks, steps and timesteps; at every call of every layer the
-    reference's keys (frame, temporal position, in attention order; the anchor labelled so) and
-    logits within 1e-5 relative."""
+    reference's keys (frame, temporal position, kind: own, recent or anchor, in attention order)
+    and logits within 1e-5 relative."""
     model, text = model_and_text()
     geo = geometry(blocks, per_block)
     latents, calls, seen = package_rolling(model, text, geo, steps)
     ref = reference_rolling(model, text, geo, SEED, steps=steps)
-    error = per_frame_rel(latents, ref.latents)
-    assert error.max() < 1e-5, error
-    assert len(calls) == len(ref.calls) == 2 * (blocks + len(steps) - 1)
-    for (i, kind, parts, timesteps, start, frames), want in zip(calls, ref.calls, strict=True):
-        assert i == want.index
-        assert (kind, start, frames) == (want.kind, want.start, want.frames), i
-        assert parts == list(zip(want.blocks, want.steps, strict=True)), i
-        per_frame = [t for t in timesteps for _ in range(geo.frames_per_block)]
-        np.testing.assert_allclose(per_frame, want.timesteps, rtol=0, atol=1e-3, err_msg=str(i))
-    assert sorted(seen) == [(i, layer) for i in range(len(ref.calls)) for layer in (0, 1)]
-    for (i, layer), (tokens, positions, kinds, logits) in seen.items():
-        want = ref.calls[i]
-        want_tokens = [frame * T + j for frame, _, _ in want.key_list for j in range(T)]
-        want_positions = [position for _, _, position in want.key_list for _ in range(T)]
-        assert tokens == want_tokens, (i, layer)  # frames, every token of each, in order
-        assert positions == want_positions, (i, layer)
-        anchor = [version == "anchor" for _, version, _ in want.key_list for _ in range(T)]
-        assert [k == KEY_KIND["anchor"] for k in kinds] == anchor, (i, layer)
-        expected = want.logits(layer)
-        assert logits.shape == expected.shape, (i, layer)
-        rel = float((logits - expected).abs().max() / expected.abs().max())
-        assert rel < 1e-5, (i, layer, rel)
+    assert len(ref.calls) == 2 * (blocks + len(steps) - 1)
+    assert_is_the_reference(geo, latents, calls, seen, ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,3 +327,243 @@ def test_attention_store_of_a_rolling_run(tmp_path):
     np.testing.assert_allclose(got, want_mass, rtol=0, atol=1e-5)
     # The anchor and clean copies of frames 0..2 both appear, in different passes.
     assert (want_version == KEY_VERSION["anchor"]).any() and (want_version[-1, :, 3] == 0).any()
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache policies in place of Rolling Forcing's cache (issue 26): the reference on its own
+
+
+def runs_of(keys) -> list[tuple]:
+    return key_runs(keys, kinds=True)
+
+
+def test_reference_policy_key_lists_by_hand():
+    """The policies' key lists for 9 blocks of 3 frames, 5 steps, worked out by hand from the
+    spec: window calls 5 (frames 3..17), 6 (6..20) and 12 (24..26), clean passes of blocks 5, 6,
+    7 and 8."""
+    windows = {w: window_blocks(w, 9, 5) for w in (5, 6, 12)}
+
+    def call_runs(policy):
+        out = {w: runs_of(window_keys(blocks, 3, policy=policy)) for w, blocks in windows.items()}
+        out.update({f"b{b}": runs_of(cache_keys(b, 3, policy=policy)) for b in (5, 6, 7, 8)})
+        return out
+
+    own5, own6 = (3, 15, "window", 3, "own"), (6, 15, "window", 6, "own")
+    own12 = (24, 3, "window", 24, "own")
+    own = {b: (3 * b, 3, "window", 3 * b, "own") for b in range(9)}
+    assert call_runs(Policy("window", budget=18)) == {
+        5: [(0, 3, "clean", 0, "recent"), own5],
+        6: [(3, 3, "clean", 3, "recent"), own6],
+        12: [(9, 15, "clean", 9, "recent"), own12],
+        "b5": [(0, 15, "clean", 0, "recent"), own[5]],
+        "b6": [(3, 15, "clean", 3, "recent"), own[6]],
+        "b7": [(6, 15, "clean", 6, "recent"), own[7]],
+        "b8": [(9, 15, "clean", 9, "recent"), own[8]],
+    }
+    assert call_runs(Policy("sink_window", budget=18, sinks=1)) == {
+        5: [(0, 1, "clean", 0, "sink"), (1, 2, "clean", 1, "recent"), own5],
+        6: [(0, 1, "clean", 0, "sink"), (4, 2, "clean", 4, "recent"), own6],
+        12: [(0, 1, "clean", 0, "sink"), (10, 14, "clean", 10, "recent"), own12],
+        "b5": [(0, 1, "clean", 0, "sink"), (1, 14, "clean", 1, "recent"), own[5]],
+        "b6": [(3, 15, "clean", 3, "recent"), own[6]],  # the sink has left the last 18
+        "b7": [(6, 15, "clean", 6, "recent"), own[7]],
+        "b8": [(9, 15, "clean", 9, "recent"), own[8]],
+    }
+    for turn in ("rerope", "delta"):
+        assert call_runs(Policy("deep_sink", budget=18, sinks=1, turn=turn)) == {
+            5: [(0, 1, "anchor", 0, "anchor"), (1, 2, "clean", 1, "recent"), own5],
+            6: [(0, 1, "anchor", 3, "anchor"), (4, 2, "clean", 4, "recent"), own6],
+            12: [(0, 1, "anchor", 9, "anchor"), (10, 14, "clean", 10, "recent"), own12],
+            "b5": [(0, 1, "clean", 0, "sink"), (1, 14, "clean", 1, "recent"), own[5]],
+            "b6": [(3, 15, "clean", 3, "recent"), own[6]],
+            "b7": [(6, 15, "clean", 6, "recent"), own[7]],
+            "b8": [(9, 15, "clean", 9, "recent"), own[8]],
+        }
+    sinks3 = (0, 3, "clean", 0, "sink")
+    assert call_runs(Policy("sink_window", budget=21, sinks=3)) == {
+        5: [sinks3, own5],
+        6: [sinks3, (3, 3, "clean", 3, "recent"), own6],
+        12: [sinks3, (9, 15, "clean", 9, "recent"), own12],
+        "b5": [sinks3, (3, 12, "clean", 3, "recent"), own[5]],
+        "b6": [sinks3, (3, 15, "clean", 3, "recent"), own[6]],
+        "b7": [(3, 18, "clean", 3, "recent"), own[7]],  # the sinks leave the last 21
+        "b8": [(6, 18, "clean", 6, "recent"), own[8]],
+    }
+    # deep_sink with S = A = 3, B = 21: Rolling Forcing's frames and positions (its clean passes'
+    # sinks at 0..2 labelled sink where full's anchor is labelled anchor).
+    for w, blocks in windows.items():
+        full = window_keys(blocks, 3)
+        deep = window_keys(blocks, 3, policy=Policy("deep_sink", budget=21, sinks=3))
+        assert deep == full, w
+    for b in range(9):
+        full = [(k.frame, k.position) for k in cache_keys(b, 3)]
+        deep = cache_keys(b, 3, policy=Policy("deep_sink", budget=21, sinks=3))
+        assert [(k.frame, k.position) for k in deep] == full, b
+        assert {k.kind for k in deep if k.frame < 3} <= {"sink", "own"}, b
+
+
+def test_reference_deep_sink_is_full_when_it_is_rolling_forcing():
+    """deep_sink (rerope, S = A = 3, B = 21) is Rolling Forcing's own cache, bit for bit; delta
+    turns differ from rerope by rounding only."""
+    model, text = model_and_text()
+    geo = geometry(9)
+    full = reference_rolling(model, text, geo, SEED, keep_layers=set())
+    deep = reference_rolling(
+        model, text, geo, SEED, keep_layers=set(), policy=Policy("deep_sink", 21, 3, "rerope")
+    )
+    assert torch.equal(deep.latents, full.latents)
+    for a, b in zip(deep.calls, full.calls, strict=True):
+        assert torch.equal(a.output, b.output), a.index
+    delta = reference_rolling(
+        model, text, geo, SEED, keep_layers=set(), policy=Policy("deep_sink", 21, 3, "delta")
+    )
+    error = per_frame_rel(delta.latents, full.latents)
+    assert 0 < error.max() < 1e-5, error
+
+
+def test_reference_delta_turn_is_rope_at_the_target():
+    """The reference's delta turn of a key rotated at position p by d frames is RoPE at p + d
+    (float64: to rounding), its spatial channels untouched bit for bit; in float32 it is one
+    rounding from the float32 key re-roped at p + d."""
+    rope = Rope(CONFIG.head_dim)
+    layer = Layer(0, rope, T, 2, 3, keep=False)
+    d_t = rope.dims[0]
+    raw = torch.randn(
+        T, CONFIG.num_heads, CONFIG.head_dim, generator=torch.Generator().manual_seed(1)
+    )
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        x = raw.to(dtype)
+        for p, d in ((0, 6), (2, 19), (1, 0), (9, -4)):
+            turned = layer.turn(layer.rotate(x, p), d)
+            assert turned.dtype == dtype
+            torch.testing.assert_close(turned, layer.rotate(x, p + d), rtol=0, atol=tol)
+            assert torch.equal(turned[..., d_t:], layer.rotate(x, p)[..., d_t:])
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache policies in place of Rolling Forcing's cache: the package against the reference
+
+
+def policy_caches(model, geo: Geometry, steps, policy: CachePolicy | None):
+    schedule = Schedule(steps=steps, shift=5.0, warp=True)
+    calls = model_calls("rolling", geo, schedule)
+    return rolling_caches(model, calls, geo.frames_per_block, T, policy=policy)
+
+
+# (policy, budget, sinks, turn, steps) on 9 blocks of 3 frames: the sinks leave the clean passes'
+# budget at block 6 (S = 1, B = 18) or 7 (S = 3, B = 21); the windows' clean frames reach 15.
+POLICY_CASES = [
+    ("window", 18, 0, None, ROLLING_STEPS),
+    ("window", 21, 0, None, ROLLING_STEPS),
+    ("sink_window", 21, 3, None, ROLLING_STEPS),
+    ("sink_window", 18, 1, None, ROLLING_STEPS),
+    ("deep_sink", 21, 3, "rerope", ROLLING_STEPS),
+    ("deep_sink", 18, 1, "rerope", ROLLING_STEPS),
+    ("deep_sink", 21, 3, "delta", ROLLING_STEPS),
+    ("deep_sink", 18, 1, "delta", LONG_VIDEO_STEPS),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "budget", "sinks", "turn", "steps"),
+    POLICY_CASES,
+    ids=[
+        f"{n} B={b} S={s}{f' {t}' if t else ''} {len(st)} steps" for n, b, s, t, st in POLICY_CASES
+    ],
+)
+def test_rolling_policy_is_the_reference(name, budget, sinks, turn, steps):
+    """Each policy's rolling rollout against the reference under the same policy (latents, calls,
+    every call's keys with their positions and kinds, logits); no call reads more than B key
+    frames, and the window calls reach B."""
+    model, text = model_and_text()
+    geo = geometry(9)
+    turn_setting = {"turn": turn} if turn else {}
+    policy = CachePolicy(name, budget=budget, sink_frames=sinks, **turn_setting)
+    caches = policy_caches(model, geo, steps, policy)
+    latents, calls, seen = package_rolling(model, text, geo, steps, caches=caches)
+    want = Policy(name, budget=budget, sinks=sinks, turn=turn or "rerope")
+    ref = reference_rolling(model, text, geo, SEED, steps=steps, policy=want)
+    assert_is_the_reference(geo, latents, calls, seen, ref)
+    read = {i: len(tokens) // T for (i, _), (tokens, *_rest) in seen.items()}
+    windows = [read[i] for i, kind, *_rest in calls if kind == "denoise"]
+    assert max(read.values()) <= budget and max(windows) == budget, read
+
+
+def test_rolling_deep_sink_is_rolling_forcing():
+    """deep_sink with rerope turns, S = A = 3 and B = 21 is Rolling Forcing's own cache: the
+    same latents, bit for bit, as the rolling rollout with no policy and with `full`."""
+    model, text = model_and_text()
+    geo = geometry(9)
+    schedule = Schedule(steps=ROLLING_STEPS, shift=5.0, warp=True)
+
+    def run(policy):
+        caches = None if policy is None else policy_caches(model, geo, ROLLING_STEPS, policy)
+        return rollout(
+            model,
+            text,
+            geometry=geo,
+            schedule=schedule,
+            sampler="rolling",
+            seed=SEED,
+            progress=False,
+            caches=caches,
+        )
+
+    own = run(None)
+    assert torch.equal(run(CachePolicy("deep_sink", budget=21, sink_frames=3, turn="rerope")), own)
+    assert torch.equal(run(CachePolicy("full")), own)
+
+
+@pytest.mark.parametrize("turn", ["delta", "rerope"])
+def test_rolling_deep_sink_turns(turn):
+    """deep_sink's sinks in the package's window calls against its own keys of block 0's last
+    clean pass (frames 0..2 at positions 0..2): with delta turns, those keys turned by the
+    reference (float64, temporal channels only) by the sinks' position, bit for bit, at every
+    call; with rerope, equal to rounding but not bit for bit once the sinks have moved (which the
+    latents and logits, within 1e-5, cannot tell apart)."""
+    model, text = model_and_text()
+    geo = geometry(9)
+    policy = CachePolicy("deep_sink", budget=21, sink_frames=3, turn=turn)
+    caches = policy_caches(model, geo, ROLLING_STEPS, policy)
+    keys, index = {}, [0]
+
+    def on_call(i, call, timesteps):
+        index[0] = i
+
+    def hook(layer, q, k, visible):
+        positions, kinds = visible.labels(T)
+        keys[index[0], layer] = (k[0].clone(), visible.tokens.tolist(), positions, kinds)
+
+    model.set_capture(hook, {0, 1})
+    try:
+        rollout(
+            model,
+            text,
+            geometry=geo,
+            schedule=Schedule(steps=ROLLING_STEPS, shift=5.0, warp=True),
+            sampler="rolling",
+            seed=SEED,
+            progress=False,
+            on_call=on_call,
+            caches=caches,
+        )
+    finally:
+        model.set_capture(None)
+    layer = Layer(0, Rope(CONFIG.head_dim), T, 2, 3, keep=False)
+    last_clean = 2 * (len(ROLLING_STEPS) - 1) + 1  # block 0's last clean pass
+    moved = 0
+    for (i, layer_index), (k, tokens, positions, kinds) in keys.items():
+        if i <= last_clean or i % 2:
+            continue  # window calls after block 0 has left the window
+        own_k, _, own_positions, _ = keys[last_clean, layer_index]
+        assert own_positions[: 3 * T].tolist() == [p for p in range(3) for _ in range(T)]
+        sinks = (kinds == KEY_KIND["anchor"]).nonzero().flatten()
+        assert [tokens[j] for j in sinks.tolist()] == list(range(3 * T)), i
+        shift = int(positions[sinks[0]])
+        want = torch.cat([layer.turn(own_k[f * T : (f + 1) * T], shift) for f in range(3)])
+        if turn == "delta":
+            assert torch.equal(k[sinks], want), (i, layer_index)
+        else:
+            torch.testing.assert_close(k[sinks], want, rtol=0, atol=1e-6)
+            moved += shift > 0 and not torch.equal(k[sinks], want)
+    assert turn == "delta" or moved > 0

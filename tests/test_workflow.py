@@ -67,9 +67,10 @@ def test_demo_produces_every_contract(demo_run):
     for name in ("checkpoints", "prompts", "passes"):
         assert (results / f"figures/compare/{name}.svg").stat().st_size > 1000
     log = (results / "logs/extract/demo_a/eagle/layer0.log").read_text()
-    assert "block 7/7 pass 5/5 (cache, t=0)" in log  # progress by block and pass
+    # Progress by model call: 7 blocks x 5 calls, the last the cache pass of frames 18-20.
+    assert "call 35/35 (cache, frames 18-20, t=0) done" in log
     log = (results / "logs/survey/demo_a/eagle.log").read_text()
-    assert "4 attention store(s) of demo_a, up to" in log and "block 7/7 pass 5/5" in log
+    assert "4 attention store(s) of demo_a, up to" in log and "call 35/35 (cache" in log
     # The two demo checkpoints really differ.
     a = xr.open_zarr(results / "frames/demo_a/eagle/layer0.zarr").logit_mean.values
     b = xr.open_zarr(results / "frames/demo_b/eagle/layer0.zarr").logit_mean.values

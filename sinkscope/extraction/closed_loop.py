@@ -31,13 +31,15 @@ from safetensors.torch import save_file
 
 from sinkscope.diagnostics import sink_distance
 from sinkscope.frames import block_sizes, closed_loop_key_frames
+from sinkscope.schedules import BlockPart, ModelCall
 from sinkscope.storage import atomic_path, write_text_atomically
 from sinkscope.tables import BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .cache_policies import CachePolicy
 from .capture import LogitCapture
 from .job import RolloutPlan, loaded_job, plan_stores
-from .sampling import rollout
+from .rolling import rolling_caches
+from .sampling import model_calls, rollout
 
 LATENTS_KEY = "x0"
 # What must match between a policy's rollout and its reference for the comparison to mean anything.
@@ -141,40 +143,39 @@ def frame_table_csv(
 
 
 class PositionProbe:
-    """A capture hook that records, at the first pass of every block, where layer 0's cache put
-    the block's queries in RoPE (the positions of its own keys, which share the queries'
-    rotation) and the first sink frame (frame 0: as the cache holds it, or its own position 0
-    once it has left); hands every call on to `capture`."""
+    """A capture hook that records, at the first pass of every block (the call where it is at
+    step 0), where layer 0's cache put the block's queries in RoPE (the positions of its own
+    keys, which share the queries' rotation) and the first sink frame (frame 0: as the cache
+    holds it, or its own position 0 once it has left); hands every call on to `capture`."""
 
     def __init__(self, frame_seq_length: int, capture: LogitCapture | None = None):
         self.frame_seq_length = frame_seq_length
         self.capture = capture
         self.rows: list[tuple[int, int, int, int, int]] = []  # the BLOCK_POSITION values
-        self.block = self.pass_index = 0
+        self.first_pass: BlockPart | None = None  # the block at its first pass in this call
 
     @property
     def layers(self) -> set[int]:
         return {0} | (self.capture.layers if self.capture is not None else set())
 
-    def begin_pass(self, block: int, pass_index: int, kind: str, timestep: float) -> None:
-        self.block, self.pass_index = block, pass_index
+    def begin_call(self, index: int, call: ModelCall, timesteps) -> None:
+        firsts = [part for part in call.parts if part.step == 0]
+        self.first_pass = firsts[0] if firsts else None
         if self.capture is not None:
-            self.capture.begin_pass(block, pass_index, kind, timestep)
+            self.capture.begin_call(index, call, timesteps)
 
     def __call__(self, layer, q, k, visible) -> None:
-        if layer == 0 and self.pass_index == 0:
+        part = self.first_pass
+        if layer == 0 and part is not None:
             t = self.frame_seq_length
             positions, _ = visible.labels(t)
             tokens = visible.tokens
             if tokens.dim() == 2:  # per-head choices: frames and positions of head 0
                 tokens, positions = tokens[:, 0], positions[:, 0]
-            own = tokens >= visible.query_start
+            own = (tokens >= part.start * t) & (tokens < part.end * t)
             first = tokens // t == 0
             sink = int(positions[first].min()) if bool(first.any()) else 0
-            frames = q.shape[1] // t
-            self.rows.append(
-                (self.block, visible.query_start // t, frames, int(positions[own].min()), sink)
-            )
+            self.rows.append((part.block, part.start, part.frames, int(positions[own].min()), sink))
         if self.capture is not None and layer in self.capture.layers:
             self.capture(layer, q, k, visible)
 
@@ -332,21 +333,28 @@ def _roll_out(
         "video": settings["video"],
         "policy": settings["policy"],
     }
-    caches = policy.new_caches(
-        model,
-        num_frames=geometry.num_frames,
-        frame_seq_length=frame_seq_length,
-        frames_per_block=geometry.frames_per_block,
-        device=device,
-        dtype=dtype,
-        token_grid=cfg.token_grid(geometry.latent_height, geometry.latent_width),
-    )
+    rolling = plan.sampler == "rolling"
+    if rolling:
+        calls = model_calls(plan.sampler, geometry, plan.schedule)
+        caches = rolling_caches(
+            model, calls, geometry.frames_per_block, frame_seq_length, policy=policy
+        )
+    else:
+        caches = policy.new_caches(
+            model,
+            num_frames=geometry.num_frames,
+            frame_seq_length=frame_seq_length,
+            frames_per_block=geometry.frames_per_block,
+            device=device,
+            dtype=dtype,
+            token_grid=cfg.token_grid(geometry.latent_height, geometry.latent_width),
+        )
     with contextlib.ExitStack() as stack:
         capture = None
         if layers:
             attrs = {**provenance, "config": settings}
             frames = closed_loop_key_frames(
-                settings["policy"], geometry.num_frames, geometry.frames_per_block
+                settings["policy"], geometry.num_frames, geometry.frames_per_block, rolling
             )
             slots = frames * frame_seq_length
             writers = plan_stores(
@@ -370,10 +378,11 @@ def _roll_out(
                 text[None],
                 geometry=geometry,
                 schedule=plan.schedule,
+                sampler=plan.sampler,
                 seed=plan.seed,
                 device=device,
                 dtype=dtype,
-                on_pass=probe.begin_pass,
+                on_call=probe.begin_call,
                 progress=progress,
                 caches=caches,
             )[0]

@@ -1,4 +1,5 @@
-"""Rolling Forcing's KV cache (TencentARC/RollingForcing a1477d09; Causal Forcing's long videos).
+"""Rolling Forcing's KV cache (TencentARC/RollingForcing a1477d09; Causal Forcing's long videos),
+and the KV-cache policies of the closed loop in its place.
 
 One `RollingKVCache` per layer serves the calls of `sinkscope.schedules.rolling_calls` and gives
 each the keys `schedules.rolling_keys` lists: the anchor (block 0's keys from its latest clean
@@ -7,7 +8,7 @@ working cache (clean frames, held after RoPE at their own positions, from their 
 pass) and the call's own frames, with no mask (bidirectional inside the window). Only clean
 passes write: Rolling Forcing's window calls also write their oldest block's noisy keys, which
 its clean pass overwrites before anything reads them, so they are not kept here. The cache holds
-the anchor and the `ROLLING_CACHE_FRAMES - anchor` newest clean frames.
+block 0 (the anchor and the sinks) and the clean frames any later call may read.
 """
 
 from __future__ import annotations
@@ -22,31 +23,47 @@ from sinkscope.schedules import (
     ROLLING_CACHE_FRAMES,
     KeyRun,
     ModelCall,
-    rolling_keys,
+    rolling_policy_keys,
 )
 from sinkscope.wan.model import CacheEngine
-from sinkscope.wan.rope import apply_rope, rope_angles
+from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
+
+from .caches import TURNS
 
 # The kind of key each version of a run is (`cache_choices.KEY_KINDS`).
-_RUN_KIND = {"anchor": KEY_KIND["anchor"], "clean": KEY_KIND["recent"], "window": KEY_KIND["own"]}
+_RUN_KIND = {
+    "anchor": KEY_KIND["anchor"],
+    "clean": KEY_KIND["recent"],
+    "sink": KEY_KIND["sink"],
+    "window": KEY_KIND["own"],
+}
 
 
 class RollingKVCache(CacheEngine):
-    """One layer's Rolling Forcing cache over the rollout's `calls` (`schedules.rolling_calls`)."""
+    """One layer's cache over the rollout's `calls` (`schedules.rolling_calls`): Rolling Forcing's
+    own (`policy` "full") or a KV-cache policy's in its place (`schedules.rolling_policy_keys`:
+    window, sink_window, deep_sink; `budget` frames attended in all, `sinks` sink frames, `turn`
+    of deep_sink's sinks: `rerope` as Rolling Forcing turns its anchor, or `delta`)."""
 
     def __init__(
         self,
         calls: Sequence[ModelCall],
         frames_per_block: int,
         frame_seq_length: int,
-        attention_frames: int = ROLLING_ATTENTION_FRAMES,
-        cache_frames: int = ROLLING_CACHE_FRAMES,
+        policy: str = "full",
+        budget: int = ROLLING_ATTENTION_FRAMES,
+        sinks: int = 0,
+        turn: str = "rerope",
     ):
+        if turn not in TURNS:
+            raise ValueError(f"sink turn {turn!r} is not one of {TURNS}")
         self.calls = calls
         self.frames_per_block = frames_per_block
         self.frame_seq_length = frame_seq_length
-        self.attention_frames = attention_frames
-        self.clean_capacity = cache_frames - frames_per_block
+        self.policy, self.budget, self.sinks, self.turn = policy, budget, sinks, turn
+        # Clean frames are read back at most `budget` frames behind a call; Rolling Forcing's
+        # cache holds ROLLING_CACHE_FRAMES (its anchor and the 21 newest).
+        self.reach = max(budget, ROLLING_CACHE_FRAMES - frames_per_block)
         self.anchor: tuple[torch.Tensor, torch.Tensor] | None = None  # k before RoPE, v
         self.clean: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # frame: k after RoPE, v
         self.runs: list[KeyRun] = []
@@ -55,7 +72,9 @@ class RollingKVCache(CacheEngine):
 
     def begin_call(self, index: int, call: ModelCall) -> None:
         self.call = call
-        self.runs = rolling_keys(self.calls, index, self.frames_per_block, self.attention_frames)
+        self.runs = rolling_policy_keys(
+            self.calls, index, self.frames_per_block, self.policy, self.budget, self.sinks
+        )
 
     def angles(self, head_dim, grid, start_frame, device):
         self.grid = grid  # the anchor's spatial RoPE follows the call's frame grid
@@ -64,13 +83,28 @@ class RollingKVCache(CacheEngine):
     def _write(self, k: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor) -> None:
         t, call = self.frame_seq_length, self.call
         if call.start == 0:
-            self.anchor = (k_raw[:, : self.frames_per_block * t], v[:, : self.frames_per_block * t])
-            return
+            self.anchor = (k_raw, v)
         for i, frame in enumerate(range(call.start, call.end)):
             rows = slice(i * t, (i + 1) * t)
             self.clean[frame] = (k[:, rows], v[:, rows])
-        for frame in sorted(self.clean)[: max(0, len(self.clean) - self.clean_capacity)]:
+        # Block 0 stays (the anchor, the sinks); the rest beyond the reach of any later call goes.
+        for frame in [f for f in self.clean if self.frames_per_block <= f < call.end - self.reach]:
             del self.clean[frame]
+
+    def _anchor_keys(self, run: KeyRun, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block 0's first `run.frames` frames turned to `run.position`: RoPE afresh on the keys
+        before RoPE (rerope, Rolling Forcing's anchor), or the keys after RoPE turned in time by
+        the shift, in float64 (delta)."""
+        t = self.frame_seq_length
+        tokens = slice(0, run.frames * t)
+        if self.turn == "delta":
+            keys = torch.cat([self.clean[f][0] for f in range(run.frames)], dim=1)
+            turned = rotate_frames(keys, run.position - run.first_frame)
+            return turned.to(like.dtype), self.anchor[1][:, tokens]
+        anchor_k, anchor_v = self.anchor
+        grid = (run.frames, self.grid[1], self.grid[2])
+        angles = rope_angles(anchor_k.shape[-1], grid, run.position, like.device)
+        return apply_rope(anchor_k[:, tokens], angles).to(like.dtype), anchor_v[:, tokens]
 
     def update(self, k, v, current_start, *, q=None, k_raw=None):
         t = self.frame_seq_length
@@ -86,11 +120,7 @@ class RollingKVCache(CacheEngine):
             if run.version == "window":
                 run_k, run_v = k, v
             elif run.version == "anchor":
-                anchor_k, run_v = self.anchor
-                head_dim = anchor_k.shape[-1]
-                grid = (run.frames, self.grid[1], self.grid[2])
-                run_k = apply_rope(anchor_k, rope_angles(head_dim, grid, run.position, k.device))
-                run_k = run_k.to(k.dtype)
+                run_k, run_v = self._anchor_keys(run, k)
             else:
                 frames = range(run.first_frame, run.first_frame + run.frames)
                 run_k = torch.cat([self.clean[f][0] for f in frames], dim=1)
@@ -113,11 +143,24 @@ class RollingKVCache(CacheEngine):
 
 
 def rolling_caches(
-    model, calls: Sequence[ModelCall], frames_per_block: int, frame_seq_length: int
+    model,
+    calls: Sequence[ModelCall],
+    frames_per_block: int,
+    frame_seq_length: int,
+    policy=None,
 ) -> list[RollingKVCache]:
-    """One Rolling Forcing cache per layer of `model` (its tensors follow the calls' device and
-    dtype)."""
+    """One cache per layer of `model` for the rolling sampler's `calls`: Rolling Forcing's own,
+    or the KV-cache policy `policy`'s (a `cache_policies.CachePolicy`: full, window,
+    sink_window or deep_sink). Its tensors follow the calls' device and dtype."""
+    settings = {}
+    if policy is not None and policy.name != "full":
+        settings = {
+            "policy": policy.name,
+            "budget": policy.budget,
+            "sinks": policy.sink_frames,
+            "turn": policy.turn,
+        }
     return [
-        RollingKVCache(calls, frames_per_block, frame_seq_length)
+        RollingKVCache(calls, frames_per_block, frame_seq_length, **settings)
         for _ in range(model.config.num_layers)
     ]

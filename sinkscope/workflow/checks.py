@@ -17,7 +17,7 @@ import yaml
 from sinkscope.cache_choices import SINK_POLICIES
 from sinkscope.frames import block_sizes, visible_frames
 from sinkscope.passes import resolve_passes
-from sinkscope.schedules import ROLLING_ATTENTION_FRAMES, denoising_steps
+from sinkscope.schedules import ROLLING_ATTENTION_FRAMES, ROLLING_POLICIES, denoising_steps
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import (
     model_dir,
@@ -292,14 +292,9 @@ def _check_closed_loop(config: dict) -> None:
         ):
             if name not in known:
                 raise ConfigError(f"closed_loop.runs: {key} {name!r} is not one of {sorted(known)}")
-        if sampler_settings(config, checkpoint)["kind"] == "rolling":
-            # The policies are caches of Self-Forcing's sampler; Rolling Forcing's own cache as
-            # their reference is not built yet (docs/DESIGN.md, "Samplers are schedules").
-            raise ConfigError(
-                f"closed_loop.runs: checkpoint {checkpoint!r} uses sampler.kind: rolling, whose "
-                "closed loop is not supported yet; set closed_loop.policies: [] or list only "
-                "self_forcing checkpoints in closed_loop.runs"
-            )
+        sampler = sampler_settings(config, checkpoint)
+        if sampler["kind"] == "rolling":
+            _check_rolling_loop(config, checkpoint, names, sampler)
     budget = closed_loop_policy(config, names[0])["budget"]
     if budget not in offline["budgets"]:
         raise ConfigError(
@@ -547,3 +542,25 @@ def _check_rolling(config: dict, key: str, sampler: dict, sizes: list[int]) -> N
             f"{key}: a window of {len(sampler['steps'])} steps x {sizes[0]} frames and its "
             f"anchor block exceed Rolling Forcing's {ROLLING_ATTENTION_FRAMES} attended frames"
         )
+
+
+def _check_rolling_loop(config: dict, checkpoint: str, names: list[str], sampler: dict) -> None:
+    """The policies that run on the rolling sampler (`schedules.ROLLING_POLICIES`), each with a
+    budget that holds a whole window (and its sinks)."""
+    other = [name for name in names if name not in ROLLING_POLICIES]
+    if other:
+        raise ConfigError(
+            f"closed_loop.policies: {other} do not run on the rolling sampler of checkpoint "
+            f"{checkpoint!r}; it runs {list(ROLLING_POLICIES[1:])} (Rolling Forcing's own cache "
+            "is the reference, full)"
+        )
+    window = len(sampler["steps"]) * config["video"]["frames_per_block"]
+    for name in names:
+        entry = closed_loop_policy(config, name)
+        need = window + entry.get("sink_frames", 0)
+        if entry["budget"] < need:
+            raise ConfigError(
+                f"closed_loop.budget={entry['budget']}: {name} on the rolling sampler of "
+                f"checkpoint {checkpoint!r} needs at least {need} frames (a window of "
+                f"{window} frames and its sinks; Rolling Forcing attends to 21)"
+            )

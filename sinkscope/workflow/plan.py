@@ -80,7 +80,10 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
         # Stores over the cache's slots: linear in the frames.
         slots = [
             closed_loop_key_frames(
-                closed_loop_policy(config, policy), g.num_frames, video["frames_per_block"]
+                closed_loop_policy(config, policy),
+                g.num_frames,
+                video["frames_per_block"],
+                g.rolling_steps is not None,
             )
             * g.frame_seq_length
             for policy in rollouts

@@ -226,9 +226,16 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         # The reference keeps every frame, whatever the sampler's window; without it the
         # largest of the policies' caches.
         cached_frames = max(
-            closed_loop_key_frames(closed_loop_policy(config, policy), g.num_frames, max(g.sizes))
+            closed_loop_key_frames(
+                closed_loop_policy(config, policy),
+                g.num_frames,
+                max(g.sizes),
+                g.rolling_steps is not None,
+            )
             for policy in closed_loop_rollouts(config) or ["full"]
         )
+        if g.rolling_steps is not None:  # block 0 stays besides what the calls read
+            cached_frames = min(cached_frames + ROLLING_CACHE_FRAMES, g.num_frames)
     elif g.rolling_steps is not None:
         # Rolling Forcing's cache: the anchor and the newest clean frames (24 frames in all).
         cached_frames = min(ROLLING_CACHE_FRAMES, g.num_frames)
