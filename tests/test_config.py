@@ -233,6 +233,15 @@ def test_schema_refuses(change, message):
             "closed_loop.budget=9: sink_window on the rolling sampler of checkpoint 'demo_a' "
             "needs at least 15 frames",
         ),
+        (
+            lambda c: (
+                c["sampler"].update(kind="rolling")
+                or c["closed_loop"].update(policies=["sink_window"], sink_frames=4, budget=21)
+                or c["policies"].update(budgets=[21], budget=21, sinks=[4])
+            ),
+            "closed_loop.sink_frames=4: sink_window on the rolling sampler of checkpoint 'demo_a' "
+            "keeps its sinks from block 0",
+        ),
     ],
     ids=[
         "missing-checkpoint",
@@ -273,6 +282,7 @@ def test_schema_refuses(change, message):
         "rolling-window-beyond-its-cache",
         "rolling-closed-loop-policies",
         "rolling-closed-loop-budget",
+        "rolling-closed-loop-sinks-beyond-block-zero",
     ],
 )
 def test_check_config_names_the_key(change, message):

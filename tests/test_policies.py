@@ -13,11 +13,14 @@ from sinkscope.analysis.policies import (
     frames_kept,
     participative_recall,
     read_policies,
+    rolling_policy_recall,
     summarize_policies,
     token_policy_recall,
     write_policies,
 )
 from sinkscope.frames import block_of_frame, visible_frames
+
+from .rolling_references import Policy, cache_keys, window_blocks, window_keys
 
 T = 4
 SIZES = [2, 2, 2, 2, 2]  # 10 frames in 5 blocks
@@ -307,3 +310,78 @@ def test_recall_table_of_a_captured_rollout(tmp_path, tiny_model, tiny_text):
         means.sort_values(order)["recall"].to_numpy(),
         table.sort_values(order)["recall"].to_numpy() * 0.75,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the rolling sampler: call by call, from the reference's key lists (tests/rolling_references.py)
+# --------------------------------------------------------------------------------------------
+
+
+def reference_rolling_captures(num_blocks: int, per_block: int, num_steps: int):
+    """(pass, block, full-cache key frames, keys of a Policy) of every captured call of a rolling
+    rollout, written from the reference's rules: window call w holds window_blocks(w), block b at
+    pass (its step) w - b; the clean pass after it captures its oldest block as pass num_steps
+    once that block is at its last step."""
+    for w in range(num_blocks + num_steps - 1):
+        blocks = window_blocks(w, num_blocks, num_steps)
+        for block, step in blocks:
+            yield step, block, (lambda p, blocks=blocks: window_keys(blocks, per_block, policy=p))
+        oldest, step = blocks[0]
+        if step == num_steps - 1:
+            yield num_steps, oldest, (lambda p, b=oldest: cache_keys(b, per_block, policy=p))
+
+
+@pytest.mark.parametrize("num_steps", [5, 4])
+def test_rolling_recall_is_the_reference(num_steps):
+    """Offline recall of a rolling run: for every captured (pass, query block), the mean mass on
+    the frames the policy's cache would give that call (the reference's key lists), of those
+    Rolling Forcing's own cache gave it; budgets that cannot hold the window and the sinks have
+    no rows."""
+    rng = np.random.default_rng(4)
+    num_blocks, per_block, heads = 9, 3, 2
+    frames = num_blocks * per_block
+    blocks = np.repeat(np.arange(num_blocks), per_block)
+    passes = num_steps + 1
+    prob_mass = np.full((passes, heads, frames, frames), np.nan)
+    seen = {}
+    for step, block, keys in reference_rolling_captures(num_blocks, per_block, num_steps):
+        full = sorted({key.frame for key in keys(Policy())})
+        seen[step, block] = full
+        for q in range(block * per_block, (block + 1) * per_block):
+            weights = rng.gamma(0.5, size=(heads, len(full)))
+            prob_mass[step, :, q, full] = (weights / weights.sum(axis=1, keepdims=True)).T
+    assert len(seen) == passes * num_blocks  # every pass of every block captured once
+    budgets, sinks = [12, 15, 18, 21], [0, 2, 3]
+    rows = rolling_policy_recall(prob_mass, blocks, list(range(passes)), num_steps, budgets, sinks)
+    got = {(r[0], r[1], r[2], r[4], r[5], r[6]): (r[3], r[7]) for r in rows}
+    window = num_steps * per_block
+    expected = {}
+    for step, block, keys in reference_rolling_captures(num_blocks, per_block, num_steps):
+        for budget in budgets:
+            for name, sink in [("window", 0), *(("sink_window", s) for s in sinks if s)]:
+                if budget < window + sink:
+                    continue
+                policy = Policy(name, budget, sink)
+                kept = {key.frame for key in keys(policy)} & set(seen[step, block])
+                queries = range(block * per_block, (block + 1) * per_block)
+                for head in range(heads):
+                    recall = brute_recall(prob_mass, step, head, queries, sorted(kept))
+                    expected[step, head, block, name, budget, sink] = (
+                        len(seen[step, block]),
+                        recall,
+                    )
+    assert got.keys() == expected.keys()
+    for key, (visible, recall) in expected.items():
+        assert got[key][0] == visible
+        assert got[key][1] == pytest.approx(recall, abs=1e-12), key
+    # The policies forget: some row keeps less than everything the full cache saw.
+    assert min(recall for _, recall in expected.values()) < 0.9
+    # Fewer passes captured: their rows only, on the store's step axis.
+    some = rolling_policy_recall(
+        prob_mass[[0, passes - 1]], blocks, [0, passes - 1], num_steps, budgets, sinks
+    )
+    assert {r[0] for r in some} == {0, 1}
+    last = {(r[1], r[2], r[4], r[5], r[6]): r[7] for r in some if r[0] == 1}
+    assert last.keys() == {k[1:] for k in expected if k[0] == passes - 1}
+    for key, recall in last.items():
+        assert recall == pytest.approx(expected[(passes - 1, *key)][1], abs=1e-12)

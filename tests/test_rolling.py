@@ -13,7 +13,7 @@ import torch
 
 from sinkscope.cache_choices import KEY_KIND
 from sinkscope.extraction.cache_policies import CachePolicy
-from sinkscope.extraction.rolling import rolling_caches
+from sinkscope.extraction.rolling import RollingKVCache, rolling_caches
 from sinkscope.extraction.sampling import Geometry, Schedule, model_calls, rollout
 from sinkscope.schedules import rolling_calls, rolling_keys
 from sinkscope.wan.config import WanConfig
@@ -77,6 +77,11 @@ def package_rolling(model, text, geo: Geometry, steps, caches=None):
         logits = torch.einsum("qhd,khd->hqk", q64, k64) / q.shape[-1] ** 0.5
         seen[index[0], layer] = (tokens.tolist(), positions.tolist(), kinds.tolist(), logits)
 
+    def record(module, args, output):
+        outputs.append((args[0].detach().clone(), output.detach().clone()))
+
+    outputs = []
+    handle = model.register_forward_hook(record)
     model.set_capture(hook, {0, 1})
     try:
         latents = rollout(
@@ -92,19 +97,27 @@ def package_rolling(model, text, geo: Geometry, steps, caches=None):
         )
     finally:
         model.set_capture(None)
+        handle.remove()
+    calls = [(*call, x, out) for call, (x, out) in zip(calls, outputs, strict=True)]
     return latents, calls, seen
 
 
 def assert_is_the_reference(geo: Geometry, latents, calls, seen, ref) -> None:
     """Latents on every frame within 1e-5 of the reference (float32 against float64 attention);
-    every call the reference's blocks, steps and timesteps; at every call of every layer the
-    reference's keys (frame, temporal position and kind, in attention order) and logits within
-    1e-5 relative."""
+    every call the reference's blocks, steps and timesteps, its input and output within 1e-5
+    relative; at every call of every layer the reference's keys (frame, temporal position and
+    kind, in attention order) and logits within 1e-5 relative."""
     error = per_frame_rel(latents, ref.latents)
     assert error.max() < 1e-5, error
     assert len(calls) == len(ref.calls)
-    for (i, kind, parts, timesteps, start, frames), want in zip(calls, ref.calls, strict=True):
+    for (i, kind, parts, timesteps, start, frames, x, output), want in zip(
+        calls, ref.calls, strict=True
+    ):
         assert i == want.index
+        # Every call's input and output (the velocity, or a clean pass's), not just the latents.
+        for got, expected in ((x, want.x), (output, want.output)):
+            rel = float((got.double() - expected.double()).norm() / expected.double().norm())
+            assert rel < 1e-5, (i, rel)
         assert (kind, start, frames) == (want.kind, want.start, want.frames), i
         assert parts == list(zip(want.blocks, want.steps, strict=True)), i
         per_frame = [t for t in timesteps for _ in range(geo.frames_per_block)]
@@ -161,6 +174,15 @@ def test_rolling_refuses_blocks_that_split_its_cache(per_block):
     calls = rolling_calls(num_blocks=14, frames_per_block=per_block, num_steps=5)
     with pytest.raises(ValueError, match=f"21 attended frames.*not {per_block} frames"):
         rolling_keys(calls, 0, per_block)
+
+
+def test_rolling_policy_refuses_sinks_beyond_block_zero():
+    """Only block 0 stays in the cache past the newest frames (the anchor, the sinks): a fourth
+    sink frame of 3-frame blocks would be gone by frame 25, so it is refused up front."""
+    calls = rolling_calls(num_blocks=14, frames_per_block=3, num_steps=5)
+    with pytest.raises(ValueError, match="4 sink frames on the rolling sampler: at most block 0"):
+        RollingKVCache(calls, 3, T, policy="sink_window", budget=21, sinks=4)
+    RollingKVCache(calls, 3, T, policy="sink_window", budget=21, sinks=3)
 
 
 @pytest.mark.parametrize("per_block", [1, 3])

@@ -29,6 +29,12 @@ block included):
   (the upper bound of any token choice; no closed-loop counterpart).
 Token choices need `key_mass` (and `key_logit_mean`), so their rows exist only for layers with an
 attention store.
+
+A run of the rolling sampler (`sampler_kind: rolling`) is scored call by call against Rolling
+Forcing's own cache, as its closed loop runs (`rolling_policy_recall`): each captured call's keys
+under `window` and `sink_window` (`schedules.rolling_policy_keys`: B counts the window's frames;
+`deep_sink` keeps `sink_window`'s frames, only turned), of the frames that call saw. The token
+choices are Self-Forcing's and have no rows there.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import xarray as xr
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
 from sinkscope.analysis.stats import ROW_KEYS, across_prompts
 from sinkscope.cache_choices import ParticipativeChoice, TopCChoice, buffered_query_frames
+from sinkscope.schedules import key_frames_of, rolling_calls, rolling_policy_keys
 from sinkscope.storage import decoded_attrs, write_text_atomically
 
 POLICIES = ("window", "sink_window", "participative", "top_c", "top_c_oracle")
@@ -115,6 +122,68 @@ def frame_policy_recall(
                     rows.append(
                         (step, head, block, len(visible), policy, budget, sink, recall[step, head])
                     )
+    return rows
+
+
+def rolling_policy_recall(
+    prob_mass: np.ndarray,
+    blocks: np.ndarray,
+    passes: Sequence[int],
+    num_steps: int,
+    budgets: Sequence[int],
+    sinks: Sequence[int],
+) -> list[tuple]:
+    """Recall of `window` and `sink_window` on a rolling run, from prob_mass [step, head,
+    query_frame, key_frame] of the captured `passes` (pass indices of a schedule of `num_steps`
+    denoising steps: `schedules.rolling_calls`).
+
+    The call that filled pass p of a query block is the one whose part for that block has
+    pass index p; what a policy keeps there is the frames of `schedules.rolling_policy_keys` for
+    that call, and its recall is the block's mean prob_mass on those of them the call saw. A
+    budget that cannot hold the widest window and the sinks (the closed loop refuses it) has no
+    rows. Returns rows (step, head, query_block, visible_frames, policy, budget, sink_frames,
+    recall), `visible_frames` the frames that call saw.
+    """
+    block_frames = _block_frames(blocks)
+    sizes = {len(frames) for frames in block_frames.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"a rolling run has blocks of one size, not {sorted(sizes)}")
+    (per_block,) = sizes
+    calls = rolling_calls(len(block_frames), per_block, num_steps)
+    step_of_pass = {int(p): step for step, p in enumerate(passes)}
+    window = num_steps * per_block
+    choices = [("window", budget, 0) for budget in budgets if budget >= window]
+    choices += [
+        ("sink_window", budget, s)
+        for budget in budgets
+        for s in sinks
+        if 0 < s <= per_block and budget >= window + s
+    ]
+    rows = []
+    num_heads = prob_mass.shape[1]
+    for index, call in enumerate(calls):
+        kept_frames = {
+            choice: [
+                f
+                for f, _, _ in key_frames_of(rolling_policy_keys(calls, index, per_block, *choice))
+            ]
+            for choice in choices
+        }
+        for part in call.parts:
+            step = step_of_pass.get(part.pass_index) if part.pass_index is not None else None
+            if step is None:
+                continue
+            per_frame = prob_mass[step][:, part.start : part.end].mean(axis=1)  # [H, K]
+            visible = np.flatnonzero(~np.isnan(per_frame).any(axis=0))
+            if len(visible) == 0:
+                continue
+            for (policy, budget, sink), frames in kept_frames.items():
+                kept = np.intersect1d(visible, frames)
+                recall = per_frame[:, kept].sum(axis=-1)  # [H]
+                rows += [
+                    (step, head, part.block, len(visible), policy, budget, sink, recall[head])
+                    for head in range(num_heads)
+                ]
     return rows
 
 
@@ -304,9 +373,21 @@ def policy_table(
 ) -> pd.DataFrame:
     """Recall of every policy and budget for one layer of one run (Contract 5 rows)."""
     blocks = frame_dataset["block"].values
-    frame_rows = frame_policy_recall(frame_dataset["prob_mass"].values, blocks, budgets, sinks)
+    run = decoded_attrs(frame_dataset)
+    rolling = run.get("sampler_kind") == "rolling"
+    if rolling:
+        frame_rows = rolling_policy_recall(
+            frame_dataset["prob_mass"].values,
+            blocks,
+            run["passes"],
+            int(run["passes_per_block"]) - 1,
+            budgets,
+            sinks,
+        )
+    else:
+        frame_rows = frame_policy_recall(frame_dataset["prob_mass"].values, blocks, budgets, sinks)
     tables = [pd.DataFrame(frame_rows, columns=[*_ROW, "sink_frames", "recall"])]
-    if attention_store is not None:
+    if attention_store is not None and not rolling:
         key_mass = attention_store["key_mass"].values
         t = int(attention_store.attrs["frame_seq_length"])
         kinds = [str(kind) for kind in attention_store["pass_kind"].values]

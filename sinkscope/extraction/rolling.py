@@ -57,6 +57,12 @@ class RollingKVCache(CacheEngine):
     ):
         if turn not in TURNS:
             raise ValueError(f"sink turn {turn!r} is not one of {TURNS}")
+        if sinks > frames_per_block:
+            # Only block 0 stays in the cache beyond the newest frames (the anchor, the sinks).
+            raise ValueError(
+                f"{sinks} sink frames on the rolling sampler: at most block 0's "
+                f"{frames_per_block} frames"
+            )
         self.calls = calls
         self.frames_per_block = frames_per_block
         self.frame_seq_length = frame_seq_length

@@ -554,9 +554,16 @@ def _check_rolling_loop(config: dict, checkpoint: str, names: list[str], sampler
             f"{checkpoint!r}; it runs {list(ROLLING_POLICIES[1:])} (Rolling Forcing's own cache "
             "is the reference, full)"
         )
-    window = len(sampler["steps"]) * config["video"]["frames_per_block"]
+    per_block = config["video"]["frames_per_block"]
+    window = len(sampler["steps"]) * per_block
     for name in names:
         entry = closed_loop_policy(config, name)
+        if entry.get("sink_frames", 0) > per_block:
+            raise ConfigError(
+                f"closed_loop.sink_frames={entry['sink_frames']}: {name} on the rolling sampler of "
+                f"checkpoint {checkpoint!r} keeps its sinks from block 0, as Rolling Forcing its "
+                f"anchor (video.frames_per_block={per_block} frames)"
+            )
         need = window + entry.get("sink_frames", 0)
         if entry["budget"] < need:
             raise ConfigError(
