@@ -236,16 +236,23 @@ def attention_store_disk_bytes(
 
 
 def export_bytes(
-    *, num_heads: int, frame_seq_length: int, num_frames: int, last_block_frames: int
+    *,
+    num_heads: int,
+    frame_seq_length: int,
+    num_frames: int,
+    last_block_frames: int,
+    measure: str = "logits",
 ) -> dict[str, int]:
     """Bytes of the tensors of one layer in each layout (the files add a few kB of pickle and zip
     headers): the token-sized ones hold H x Lq x Lk values, Lq = last_block_frames x T queries
-    over Lk = num_frames x T keys; `frames` is one layer{L}.pt, [H, F, F] + [H, F] float32."""
+    over Lk = num_frames x T keys; `frames` is one layer{L}.pt, [H, F, F] + [H, F] float32.
+    `measure` (export.measure): what attention_cache.pt holds, logits or probabilities."""
     tokens = num_heads * last_block_frames * frame_seq_length * num_frames * frame_seq_length
     return {
         "figure4": tokens * 4,  # float32 probabilities
         "logit_cache": tokens * 2,  # float16 logits
-        "shapes_cache": tokens * 2,  # the same logits, with q_shape and k_shape
+        # the logits (float16) or the probabilities (float32), with q_shape and k_shape
+        "shapes_cache": tokens * (2 if measure == "logits" else 4),
         "frames": num_heads * num_frames * (num_frames + 1) * 4,
     }
 

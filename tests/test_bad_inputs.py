@@ -153,9 +153,11 @@ def test_num_heads_against_what_the_checkpoint_fixes(tmp_path, capsys):
     # A width no released model has: num_heads cannot be decided, so a warning, not an error.
     odd = _checkpoint_folder(tmp_path / "odd", dim=1024, ffn_dim=4096, num_heads=16, text_dim=32)
     checked(_with_checkpoint(odd))
-    assert f"warning: checkpoints.sf.base: {odd}/config.json: num_heads=16 gives head_dim=64" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert f"warning: checkpoints.sf.base: {odd}/config.json: num_heads=16 gives head_dim=64" in err
+    # It says which count it used and how to check it.
+    assert "sinkscope uses num_heads=16 as given" in err
+    assert "Check num_heads against the configuration the model was trained with" in err
     right = _checkpoint_folder(
         tmp_path / "right", dim=1536, ffn_dim=8960, num_heads=12, text_dim=32
     )

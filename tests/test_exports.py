@@ -104,15 +104,11 @@ def test_token_layouts_equal_the_token_store(tmp_path, window, step):
     assert figure4["num_frame_per_block"] == 2 and figure4["layer_indices"] == [0, 1]
     logit_cache = _load(paths["logit_cache"])
     shapes_cache = _load(paths["shapes_cache"])
+    run_keys = {"attention_weights", "prompt", "num_frames", "frame_seq_length"}
+    run_keys |= {"query_frames", "key_frames"}
+    assert set(logit_cache) == run_keys
+    assert set(shapes_cache) == run_keys | {"is_logits"} and shapes_cache["is_logits"] is True
     for cache in (logit_cache, shapes_cache):
-        assert set(cache) == {
-            "attention_weights",
-            "prompt",
-            "num_frames",
-            "frame_seq_length",
-            "query_frames",
-            "key_frames",
-        }
         assert cache["prompt"] == "a test prompt"
         assert (cache["num_frames"], cache["frame_seq_length"]) == (F, T)
         assert cache["query_frames"] == LAST and cache["key_frames"] == list(range(F))
@@ -140,23 +136,42 @@ def test_token_layouts_equal_the_token_store(tmp_path, window, step):
         np.testing.assert_allclose(weights.sum(axis=-1, dtype=np.float64), 1.0, atol=1e-6)
 
         expected_logits = np.where(np.isnan(rows), np.float16(-np.inf), rows)
-        for cache, shapes in ((logit_cache, False), (shapes_cache, True)):
-            entry = cache["attention_weights"][index]
-            keys = {"layer_idx", "attn_logits", "num_key_frames", "frame_seq_length"}
-            assert set(entry) == (keys | {"q_shape", "k_shape"} if shapes else keys)
-            assert entry["layer_idx"] == layer
-            assert (entry["num_key_frames"], entry["frame_seq_length"]) == (F, T)
-            logits = entry["attn_logits"]
+        entry = logit_cache["attention_weights"][index]
+        assert set(entry) == {"layer_idx", "attn_logits", "num_key_frames", "frame_seq_length"}
+        assert entry["layer_idx"] == layer
+        assert (entry["num_key_frames"], entry["frame_seq_length"]) == (F, T)
+        # The capture fork's entry: attn_weights beside q_shape, k_shape and is_logits.
+        fork = shapes_cache["attention_weights"][index]
+        assert set(fork) == {"layer_idx", "attn_weights", "q_shape", "k_shape", "is_logits"}
+        assert fork["layer_idx"] == layer and fork["is_logits"] is True
+        head_dim = TINY.dim // TINY.num_heads
+        assert fork["q_shape"] == [1, 2 * T, H, head_dim]
+        assert fork["k_shape"] == [1, int(seen.sum()) * T, H, head_dim]
+        for logits in (entry["attn_logits"], fork["attn_weights"]):
             assert logits.dtype == torch.float16 and tuple(logits.shape) == (1, H, 2 * T, F * T)
             np.testing.assert_array_equal(logits.numpy()[0], expected_logits)
             # What a notebook does with them: softmax over the keys, -inf giving 0.
             np.testing.assert_allclose(
                 torch.softmax(logits.double(), dim=-1).numpy()[0], weights, rtol=1e-6, atol=1e-9
             )
-            if shapes:
-                head_dim = TINY.dim // TINY.num_heads
-                assert entry["q_shape"] == [1, 2 * T, H, head_dim]
-                assert entry["k_shape"] == [1, int(seen.sum()) * T, H, head_dim]
+
+
+def test_fork_entries_hold_probabilities_when_asked(tmp_path):
+    """export.measure: probabilities puts the softmax (figure-4's weights) in attention_cache.pt's
+    attn_weights, is_logits False, the shapes as with logits."""
+    run = _run(tmp_path, window=4)
+    paths = _export(tmp_path, run, step=1, measure="probabilities")
+    figure4 = _load(paths["figure4"])["attention_weights"]
+    shapes_cache = _load(paths["shapes_cache"])
+    assert shapes_cache["is_logits"] is False
+    seen = visible_frames([2, 2, 2], 4, 0)[F - 1]
+    for index, entry in enumerate(shapes_cache["attention_weights"]):
+        assert entry["is_logits"] is False
+        weights = entry["attn_weights"]
+        assert weights.dtype == torch.float32 and tuple(weights.shape) == (1, H, 2 * T, F * T)
+        torch.testing.assert_close(weights, figure4[index]["attn_weights"], rtol=0, atol=0)
+        assert (weights.numpy()[0][..., ~np.repeat(seen, T)] == 0).all()
+        assert entry["k_shape"][1] == int(seen.sum()) * T
 
 
 @pytest.mark.parametrize("measure", ["logits", "probabilities"])
@@ -263,6 +278,14 @@ def test_export_bytes_at_real_geometry_and_on_disk(tmp_path):
     real = export_bytes(num_heads=12, frame_seq_length=1560, num_frames=21, last_block_frames=3)
     assert real["figure4"] == 12 * 4680 * 32760 * 4 == 7_359_206_400  # 7.4 GB per layer
     assert real["logit_cache"] == real["shapes_cache"] == 12 * 4680 * 32760 * 2
+    probabilities = export_bytes(
+        num_heads=12,
+        frame_seq_length=1560,
+        num_frames=21,
+        last_block_frames=3,
+        measure="probabilities",
+    )
+    assert probabilities["shapes_cache"] == real["figure4"]  # float32 like figure-4's
     assert real["frames"] == 12 * 21 * 21 * 4 + 12 * 21 * 4
     # The files hold these bytes and a few kB of pickle and zip headers.
     run = _run(tmp_path)
@@ -351,10 +374,11 @@ def test_export_target_on_the_demo(demo_run, tmp_path):
     np.testing.assert_allclose(entry["attn_weights"].sum(-1).numpy(), 1.0, atol=1e-5)
     stored = xr.open_zarr(workdir / "results/logits/demo_a/eagle/layer0.zarr").logits
     rows = stored.values[0, :, 18 * t :, :]
-    for name in FILES[1:]:
-        logits = _load(run / name)["attention_weights"][0]["attn_logits"]
-        np.testing.assert_array_equal(logits.numpy()[0], rows)  # no window: all visible
-    assert _load(run / FILES[2])["attention_weights"][0]["k_shape"] == [1, 504, heads, 16]
+    logits = _load(run / FILES[1])["attention_weights"][0]["attn_logits"]
+    np.testing.assert_array_equal(logits.numpy()[0], rows)  # no window: all visible
+    fork = _load(run / FILES[2])["attention_weights"][0]
+    np.testing.assert_array_equal(fork["attn_weights"].numpy()[0], rows)
+    assert fork["is_logits"] is True and fork["k_shape"] == [1, 504, heads, 16]
     layer = _load(run / "layer3.pt")  # a surveyed layer: its frame dataset
     assert tuple(layer["full_frame_attention"].shape) == (heads, frames, frames)
     assert layer["orig_num_frames"] == 81 and layer["is_logits"] is True

@@ -440,6 +440,28 @@ def test_the_prompts_file_is_merged_before_the_rules_read_the_prompts(tmp_path):
     assert list(checked(alone, REPO)["prompts"]) == NAMES
 
 
+def test_repeated_prompt_texts_are_warned_naming_the_lines(tmp_path, capsys):
+    """The same text on two lines (or a line repeating a `prompts` entry) makes two runs of one
+    video: a warning names both places; the run goes on with both."""
+    config = _demo_with_prompts_file(tmp_path, "A red fox\n# x\nA blue jay\nA red fox\n")
+    config["prompts"]["jay"] = "A blue jay"
+    config["closed_loop"]["policies"] = []
+    capsys.readouterr()
+    checked(config, REPO)
+    err = capsys.readouterr().err
+    path = tmp_path / "prompts.txt"
+    assert (
+        f"sinkscope: warning: {path} line 1 (p000_a_red_fox) and {path} line 4 "
+        "(p002_a_red_fox) have the same text ('A red fox'): 2 runs of one video" in err
+    )
+    assert f"prompts.jay and {path} line 3 (p001_a_blue_jay) have the same text" in err
+    assert {"p000_a_red_fox", "p002_a_red_fox", "jay", "p001_a_blue_jay"} <= set(config["prompts"])
+    distinct = _demo_with_prompts_file(tmp_path, "A red fox\nA blue jay\n")
+    distinct["closed_loop"]["policies"] = []
+    checked(distinct, REPO)
+    assert "same text" not in capsys.readouterr().err
+
+
 def test_prompts_file_problems_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"^prompts_file: .*prompts\.txt line 2 is named "):
         config = _demo_with_prompts_file(tmp_path, "# x\nA red fox\n")

@@ -5,7 +5,9 @@ dicts. Per (checkpoint, prompt) four layouts, each a dict of plain tensors, ints
 dicts that `torch.load(path, weights_only=True)` opens (README "Exports for the seed notebooks"):
 
 - figure-4 cache: the softmax probabilities of the last block's queries over every key token;
-- logit cache and per-entry shapes: their pre-softmax logits, float16, -inf where not visible;
+- logit cache: their pre-softmax logits, float16, -inf where not visible;
+- the capture fork's entries (`attention_cache.pt`): the logits or the probabilities
+  (`export.measure`), with the shapes of the call's q and k and `is_logits`;
 - per layer, the frame x frame matrix of one pass from the frame dataset.
 
 The token-sized tensors (gigabytes per layer at 480x832) are never held in memory whole: each is
@@ -203,16 +205,24 @@ def export_token_layouts(
     figure4: str | Path | None = None,
     logit_cache: str | Path | None = None,
     shapes_cache: str | Path | None = None,
+    measure: str = "logits",
 ) -> None:
     """Write the token-sized layouts of captured pass `step` from the token stores of `layers`
     (one per layer, in that order): the figure-4 cache (`attention_cache_figure4.pt`), the logit
-    cache (`attention_cache_wan_base.pt`) and the per-entry shapes (`attention_cache.pt`); a
-    layout whose path is None is not written."""
+    cache (`attention_cache_wan_base.pt`) and the capture fork's entries (`attention_cache.pt`:
+    `attn_weights` the logits or the probabilities, as `measure` says); a layout whose path is
+    None is not written."""
     if figure4 is None and logit_cache is None and shapes_cache is None:
         return
+    _check_measure(measure)
     opened = _open_token_layers(token_stores, layers, step)
     _write_token_layouts(
-        opened, step, figure4=figure4, logit_cache=logit_cache, shapes_cache=shapes_cache
+        opened,
+        step,
+        figure4=figure4,
+        logit_cache=logit_cache,
+        shapes_cache=shapes_cache,
+        measure=measure,
     )
 
 
@@ -247,14 +257,19 @@ def _write_token_layouts(
     figure4: str | Path | None,
     logit_cache: str | Path | None,
     shapes_cache: str | Path | None,
+    measure: str = "logits",
 ) -> None:
     """Fill the scratch tensors one head at a time from each store, then save each layout."""
+    # attention_cache.pt holds the logits or the probabilities, as export.measure says.
+    shapes_weights = shapes_cache is not None and measure == "probabilities"
+    shapes_logits = shapes_cache is not None and measure == "logits"
     first = opened[0]
     sizes = export_bytes(
         num_heads=first.num_heads,
         frame_seq_length=first.frame_seq_length,
         num_frames=first.num_frames,
         last_block_frames=len(first.query_frames),
+        measure=measure,
     )
     log.info(
         "exporting pass %d of layers %s (%s): %d query x %d key tokens per head; per layer %s",
@@ -270,11 +285,11 @@ def _write_token_layouts(
         weights, logits = {}, {}
         for layer in opened:
             shape = (1, layer.num_heads, layer.num_queries, layer.num_keys)
-            if figure4 is not None:
+            if figure4 is not None or shapes_weights:
                 weights[layer.layer] = np.memmap(
                     scratch / f"weights{layer.layer}", np.float32, mode="w+", shape=shape
                 )
-            if logit_cache is not None or shapes_cache is not None:
+            if logit_cache is not None or shapes_logits:
                 logits[layer.layer] = np.memmap(
                     scratch / f"logits{layer.layer}", np.float16, mode="w+", shape=shape
                 )
@@ -295,11 +310,13 @@ def _write_token_layouts(
                 )
         if figure4 is not None:
             _save(_figure4_cache(opened, weights), figure4)
-            weights.clear()  # the scratch pages can go
+        if shapes_weights:
+            _save(_shapes_cache(opened, weights, is_logits=False), shapes_cache)
+        weights.clear()  # the scratch pages can go
         if logit_cache is not None:
-            _save(_logit_cache(opened, logits, shapes=False), logit_cache)
-        if shapes_cache is not None:
-            _save(_logit_cache(opened, logits, shapes=True), shapes_cache)
+            _save(_logit_cache(opened, logits), logit_cache)
+        if shapes_logits:
+            _save(_shapes_cache(opened, logits, is_logits=True), shapes_cache)
         logits.clear()
 
 
@@ -323,24 +340,45 @@ def _figure4_cache(opened: list[_TokenLayer], weights: dict[int, np.memmap]) -> 
     }
 
 
-def _logit_cache(opened: list[_TokenLayer], logits: dict[int, np.memmap], *, shapes: bool) -> dict:
+def _logit_cache(opened: list[_TokenLayer], logits: dict[int, np.memmap]) -> dict:
     first = opened[0]
+    return {
+        "attention_weights": [
+            {
+                "layer_idx": layer.layer,
+                "attn_logits": torch.from_numpy(logits[layer.layer]),
+                "num_key_frames": layer.num_frames,
+                "frame_seq_length": layer.frame_seq_length,
+            }
+            for layer in opened
+        ],
+        **_run_facts(first),
+    }
+
+
+def _shapes_cache(
+    opened: list[_TokenLayer], values: dict[int, np.memmap], *, is_logits: bool
+) -> dict:
+    """The capture fork's entries (`AttentionWeightCapture`): per layer `attn_weights` (the
+    logits, -inf where not visible, or the probabilities, 0 there), `q_shape` and `k_shape` (what
+    the attention call saw: the block's queries and the keys in the cache) and `is_logits`."""
     entries = []
     for layer in opened:
-        entry = {
-            "layer_idx": layer.layer,
-            "attn_logits": torch.from_numpy(logits[layer.layer]),
-            "num_key_frames": layer.num_frames,
-            "frame_seq_length": layer.frame_seq_length,
-        }
-        if shapes:
-            # What the attention call saw: the block's queries and the keys in the cache.
-            num_seen = int(layer.seen.sum()) * layer.frame_seq_length
-            entry["q_shape"] = [1, layer.num_queries, layer.num_heads, layer.head_dim]
-            entry["k_shape"] = [1, num_seen, layer.num_heads, layer.head_dim]
-        entries.append(entry)
+        num_seen = int(layer.seen.sum()) * layer.frame_seq_length
+        entries.append(
+            {
+                "layer_idx": layer.layer,
+                "attn_weights": torch.from_numpy(values[layer.layer]),
+                "q_shape": [1, layer.num_queries, layer.num_heads, layer.head_dim],
+                "k_shape": [1, num_seen, layer.num_heads, layer.head_dim],
+                "is_logits": is_logits,
+            }
+        )
+    return {"attention_weights": entries, "is_logits": is_logits, **_run_facts(opened[0])}
+
+
+def _run_facts(first: _TokenLayer) -> dict:
     return {
-        "attention_weights": entries,
         "prompt": first.prompt_text,
         "num_frames": first.num_frames,
         "frame_seq_length": first.frame_seq_length,
@@ -349,12 +387,16 @@ def _logit_cache(opened: list[_TokenLayer], logits: dict[int, np.memmap], *, sha
     }
 
 
+def _check_measure(measure: str) -> None:
+    if measure not in MEASURES:
+        raise ValueError(f"export.measure must be one of {sorted(MEASURES)}, got {measure!r}")
+
+
 def frame_layout(frame_dataset: str | Path, layer: int, *, step: int = 0, measure: str = "logits"):
     """The `layer{L}.pt` dict of a frame dataset (Contract 2) at captured pass `step`: the
     frame-averaged `logit_mean` (measure `logits`) or `prob_mass` (`probabilities`), 0 where not
     visible, and its mean over the last block's query frames."""
-    if measure not in MEASURES:
-        raise ValueError(f"export.measure must be one of {sorted(MEASURES)}, got {measure!r}")
+    _check_measure(measure)
     path = Path(frame_dataset)
     ds = open_frame_dataset(path)
     if int(ds["layer"]) != layer:
@@ -420,6 +462,6 @@ def export_run(
         for path, layer in zip(frame_datasets, frame_layers, strict=True)
     ]
     if opened:
-        _write_token_layouts(opened, step, **token_outputs)
+        _write_token_layouts(opened, step, **token_outputs, measure=measure)
     for layout, out in zip(layouts, frame_outputs, strict=True):
         _save(layout, out)

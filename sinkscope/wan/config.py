@@ -62,9 +62,15 @@ class WanConfig:
                 None,
             )
         if self.head_dim != WAN_HEAD_DIM:
+            # Wan's qk-norm is one RMSNorm over the whole width (norm_q.weight has dim entries),
+            # so no tensor has a per-head shape that would decide the count.
             return None, (
                 f"num_heads={self.num_heads} gives head_dim={self.head_dim}, where every released "
-                f"Wan2.1 model has {WAN_HEAD_DIM}; the weights cannot tell, so check num_heads"
+                f"Wan2.1 model has {WAN_HEAD_DIM}. sinkscope uses num_heads={self.num_heads} as "
+                f"given; the weights cannot tell (q, k, v, o and the qk-norm span the whole width "
+                f"of {self.dim}, with no per-head trace). Check num_heads against the "
+                "configuration the model was trained with (its training config or model card): "
+                "a wrong count loads and silently splits the attention into other heads"
             )
         return None, None
 

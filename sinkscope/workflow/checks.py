@@ -35,6 +35,7 @@ from .entries import (
     is_demo_encoder,
     kept_token_layers,
     model_config,
+    repeated_prompts,
     sampler_settings,
     survey_layers,
     token_passes,
@@ -165,6 +166,9 @@ def check_config(config: dict) -> None:
     at once, one line each (`preflight`)."""
     _check_integers(config)
     merged = merge_prompts(config)
+    if not merged:
+        for warning in repeated_prompts(config):
+            print(f"sinkscope: warning: {warning}", file=sys.stderr)
     _check_names(config)
     _check_block_layout(config)
     raise_problems(file_problems(config, merged))

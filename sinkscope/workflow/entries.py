@@ -246,6 +246,34 @@ def merge_prompts_file(config: dict) -> dict:
     return prompts
 
 
+def repeated_prompts(config: dict) -> list[str]:
+    """One line per text that several prompts share once `prompts_file` is merged (each of them
+    a run of its own, the same video under one seed, twice the jobs), naming each by its file
+    line or its `prompts` key. Warned, not refused: a prompt list may repeat a line on purpose,
+    and the file's names follow its lines, so dropping one would rename the others."""
+    lines = {}
+    path = config.get("prompts_file")
+    if path:
+        lines = {prompt.name: prompt.line for prompt in read_prompts_file(path)}
+    by_text: dict[str, list[str]] = {}
+    for name in config["prompts"]:
+        by_text.setdefault(prompt_text(config, name), []).append(name)
+    warnings = []
+    for text, names in by_text.items():
+        if len(names) < 2:
+            continue
+        places = [
+            f"{path} line {lines[name]} ({name})" if name in lines else f"prompts.{name}"
+            for name in names
+        ]
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        warnings.append(
+            f"{' and '.join(places)} have the same text ({shown!r}): {len(names)} runs of one "
+            "video under one seed, each with its own jobs; delete all but one to run it once"
+        )
+    return warnings
+
+
 def prompt_text(config: dict, name: str) -> str:
     entry = config["prompts"][name]
     return entry["text"] if isinstance(entry, dict) else entry

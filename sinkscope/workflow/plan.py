@@ -126,10 +126,11 @@ def storage_plan(config: dict) -> list[Family]:
             frame_seq_length=g.frame_seq_length,
             num_frames=g.num_frames,
             last_block_frames=g.sizes[-1],
+            measure=config["export"]["measure"],
         )
         for p in prompts:
             exports.jobs[f"export_run {c}/{p}"] = len(exported) * (
-                per_layer["figure4"] + 2 * per_layer["logit_cache"]
+                per_layer["figure4"] + per_layer["logit_cache"] + per_layer["shapes_cache"]
             ) + per_layer["frames"] * len(set(token_layers(config)) | set(surveyed))
     return [family for family in (tokens, attention, loop, exports) if family.jobs]
 

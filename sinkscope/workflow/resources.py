@@ -172,6 +172,7 @@ def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:
         frame_seq_length=g.frame_seq_length,
         num_frames=g.num_frames,
         last_block_frames=g.sizes[-1],
+        measure=config["export"]["measure"],
     )
     token_mb = sum(v for k, v in per_layer.items() if k != "frames") * len(layers) / 1e6
     return REDUCE_SETUP_MINUTES + math.ceil(2 * token_mb / WRITE_MB_PER_S / 60)
