@@ -18,5 +18,6 @@ rule encode_prompt:
         text=lambda wildcards: prompt_text(config, wildcards.prompt),
         encoder=lambda wildcards: prompt_encoder(config, wildcards.prompt),
         device=config["device"],
+        dtype=config["dtype"],
     script:
         "../scripts/encode_prompt.py"

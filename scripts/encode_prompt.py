@@ -17,6 +17,7 @@ with job_log(snakemake.log[0]):
                 tokenizer_dir=encoder["tokenizer"],
                 text_len=encoder["text_len"],
                 device=claim.device,
+                dtype=snakemake.params.dtype,
                 # From the config, not params: it decides whether the job fails, not its bytes.
                 on_truncate=snakemake.config["text_encoder"]["truncate"],
             )

@@ -316,6 +316,35 @@ def test_extraction_params_hold_the_checkpoint_spec_and_its_content(tmp_path):
     assert again["checkpoint"] == params["checkpoint"] and again["sampler"]["shift"] == 8.0
 
 
+def test_dtype_is_in_the_params_of_every_job_it_affects(tmp_path):
+    """`dtype` (auto by default) reaches the extraction, survey and closed-loop params, so a
+    changed dtype reruns them; the GPU estimate doubles the model's bytes in float32."""
+    from sinkscope.workflow.resources import gpu_memory_bytes
+
+    config = checked()
+    assert config["dtype"] == "auto"
+    cache = tmp_path / "cache.json"
+    before = [
+        extraction_settings(config, "demo_a", cache),
+        extraction_settings(config, "demo_a", cache, store="attention"),
+        closed_loop_settings(config, "demo_a", "window", cache),
+    ]
+    assert all(params["dtype"] == "auto" for params in before)
+    estimate = gpu_memory_bytes(config, "demo_a", "survey")
+    config["dtype"] = "float32"
+    after = [
+        extraction_settings(config, "demo_a", cache),
+        extraction_settings(config, "demo_a", cache, store="attention"),
+        closed_loop_settings(config, "demo_a", "window", cache),
+    ]
+    assert all(params["dtype"] == "float32" for params in after)
+    wider = gpu_memory_bytes(config, "demo_a", "survey")
+    for part in ("weights", "kv_cache", "text_cache", "activations"):
+        assert wider[part] == 2 * estimate[part], part
+    with pytest.raises(Exception, match="'float16' is not one of"):  # the schema's enum
+        checked(lambda c: c.update(dtype="float16"))
+
+
 def test_a_new_checkpoint_key_changes_params_and_reaches_the_loader(monkeypatch, tmp_path):
     """Adding a key = the schema + a CheckpointSpec field: the params (so the reruns) see it."""
 

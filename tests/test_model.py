@@ -230,11 +230,16 @@ def test_model_calls_per_three_frame_block(tiny_model, tiny_text, schedule, call
 
 
 def test_precision_follows_the_reference():
-    from sinkscope.extraction.job import model_dtype
     from sinkscope.wan.model import timestep_sinusoid
+    from sinkscope.wan.precision import model_dtype
 
     assert model_dtype(torch.device("cuda")) == torch.bfloat16
     assert model_dtype(torch.device("cpu")) == torch.float32
+    # The `dtype` setting forces one on any device.
+    assert model_dtype("cpu", "bfloat16") == torch.bfloat16
+    assert model_dtype("cuda:1", "float32") == torch.float32
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        model_dtype("cpu", "float16")
     # The sinusoid is computed in float64: at t = 937.5 float32 angles would be off by ~1e-5.
     embedding = timestep_sinusoid(256, torch.tensor([937.5]))
     assert embedding.dtype == torch.float64

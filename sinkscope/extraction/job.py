@@ -28,6 +28,7 @@ from sinkscope.passes import resolve_passes
 from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
 from sinkscope.wan.config import WanConfig
+from sinkscope.wan.precision import model_dtype
 from sinkscope.wan.spec import CheckpointSpec
 from sinkscope.wan.text import load_prompt_embedding
 from sinkscope.workflow.digest import combine, sha256_file
@@ -40,11 +41,6 @@ from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, part
 STORE_KINDS = ("tokens", "attention")
 
 log = logging.getLogger(__name__)
-
-
-def model_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on GPU as Self-Forcing runs; fp32 on CPU, where bf16 matmuls are slow and lossy."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @dataclass(frozen=True)
@@ -131,7 +127,8 @@ def loaded_job(
     with job_device(settings["device"]) as claim:
         started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
         device = torch.device(claim.device)
-        dtype = model_dtype(device)
+        # Absent where settings skip the schema defaults: bf16 on CUDA, fp32 on the CPU.
+        dtype = model_dtype(device, settings.get("dtype", "auto"))
         model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
         text, text_meta = load_prompt_embedding(prompt_embeddings)
         if text.shape[1] != model.config.text_dim:

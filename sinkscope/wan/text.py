@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from sinkscope.storage import atomic_path
 
 from .cleaning import clean_prompt
+from .precision import model_dtype
 
 if TYPE_CHECKING:
     from transformers import UMT5Config, UMT5EncoderModel
@@ -189,20 +190,21 @@ def encode_prompt(
     text_len: int = 512,
     device: torch.device | str = "cpu",
     on_truncate: str = "warn",
+    dtype: str = "auto",
 ) -> EncodedPrompt:
     """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and token counts.
 
     `encoder` is a transformers UMT5 directory (its tokenizer is used unless `tokenizer_dir` is
     given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in float32 on CPU and
-    bfloat16 on CUDA, as Wan / Self-Forcing do. A prompt longer than `text_len` tokens is cut to
-    its first text_len - 1 and EOS, as Wan does: `on_truncate` "warn" logs what was cut, "error"
-    raises."""
+    bfloat16 on CUDA, as Wan / Self-Forcing do (`dtype` "auto"), or in the `dtype` given. A
+    prompt longer than `text_len` tokens is cut to its first text_len - 1 and EOS, as Wan does:
+    `on_truncate` "warn" logs what was cut, "error" raises."""
     if on_truncate not in ("warn", "error"):
         raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     encoder = Path(encoder)
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = model_dtype(device, dtype)
     if encoder.is_dir():
         tokenizer_dir = tokenizer_dir or encoder
     elif encoder.is_file():

@@ -106,6 +106,7 @@ def extraction_settings(
             "capture": capture,
             "seed": config["seed"],
             "device": config["device"],
+            "dtype": config["dtype"],
         }
     )
 

@@ -30,6 +30,7 @@ from .entries import (
 from .resources import gpu_memory_bytes, store_geometry
 
 LATENT_CHANNELS = 16
+GPU_DTYPE_NAMES = {"auto": "bf16", "bfloat16": "bf16", "float32": "fp32"}  # `dtype` on CUDA
 
 
 @dataclass
@@ -178,7 +179,8 @@ def format_plan(config: dict) -> str:
     if gpu is not None:
         job, parts = gpu
         lines.append(
-            f"  GPU memory (estimate, bf16): about {_size(parts['total'])} for {job} (weights "
+            f"  GPU memory (estimate, {GPU_DTYPE_NAMES[config.get('dtype', 'auto')]}): about "
+            f"{_size(parts['total'])} for {job} (weights "
             f"{_size(parts['weights'])}, KV cache {_size(parts['kv_cache'])}, capture "
             f"{_size(parts['capture'])})"
         )

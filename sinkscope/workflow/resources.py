@@ -203,14 +203,15 @@ def encode_mem_mb(config: dict, prompt: str) -> int:
 
 # CUDA context, cuBLAS workspaces and the caching allocator's slack: not from the sizes below.
 GPU_OVERHEAD_BYTES = 1_500_000_000
-GPU_DTYPE_BYTES = 2  # bf16: the dtype of every CUDA job (extraction.job.model_dtype)
+GPU_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}  # `dtype` on CUDA (wan.precision)
 
 
 def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None = None) -> dict:
     """An estimate of what one job of checkpoint `name` holds on its GPU, by part (bytes):
-    `weights` (the DiT in bf16), `kv_cache` (every layer's self-attention keys and values, as
-    `WanModel.new_kv_caches` allocates them: all frames, or the sampler's local window; all
-    frames for the closed loop's full-cache reference, the largest policy cache without one),
+    `weights` (the DiT in bf16, float32 with `dtype: float32`), `kv_cache` (every layer's
+    self-attention keys and values, as `WanModel.new_kv_caches` allocates them: all frames, or
+    the sampler's local window; all frames for the closed loop's full-cache reference, the
+    largest policy cache without one),
     `text_cache` (cross-attention keys and values of the prompt), `capture` (the largest
     transient of the capture: a query frame x visible keys tile in fp32 with its fp16 copy for a
     token store (`extract`), or the two fp32 buffers of the exact softmax for an attention store
@@ -244,10 +245,11 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
     tokens = cached_frames * g.frame_seq_length
     visible_keys = tokens  # a query frame sees at most the cache
+    value_bytes = GPU_DTYPE_BYTES[config.get("dtype", "auto")]
     parts = {
-        "weights": model.num_parameters * GPU_DTYPE_BYTES,
-        "kv_cache": model.num_layers * 2 * tokens * model.dim * GPU_DTYPE_BYTES,
-        "text_cache": model.num_layers * 2 * model.text_len * model.dim * GPU_DTYPE_BYTES,
+        "weights": model.num_parameters * value_bytes,
+        "kv_cache": model.num_layers * 2 * tokens * model.dim * value_bytes,
+        "text_cache": model.num_layers * 2 * model.text_len * model.dim * value_bytes,
         "capture": g.frame_seq_length * visible_keys * (4 + 2 if job == "extract" else 2 * 4),
         # One call's FFN hidden states: a block, or Rolling Forcing's window of blocks.
         "activations": 2
@@ -255,7 +257,7 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         * (g.rolling_steps or 1)
         * g.frame_seq_length
         * model.ffn_dim
-        * GPU_DTYPE_BYTES,
+        * value_bytes,
         "overhead": GPU_OVERHEAD_BYTES,
     }
     parts["total"] = sum(parts.values())
