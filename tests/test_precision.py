@@ -174,11 +174,15 @@ def test_bfloat16_stores_keep_float32_reductions(runs):
             assert frames[name].dtype == np.float32, name
 
 
-def test_capture_of_a_bfloat16_model_reduces_in_float32(tmp_path):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_capture_of_a_bfloat16_model_reduces_in_float32(tmp_path, device):
     """The survey's key_mass of a bfloat16 model against a float64 softmax of the very q and k
     the model handed the capture: float32 accuracy (1e-6), where a bfloat16 softmax of the same
     q and k is off by orders of magnitude more (so the bound tells the two apart)."""
-    model = make_tiny_model(seed=4).to(torch.bfloat16)
+    model = make_tiny_model(seed=4).to(device=device, dtype=torch.bfloat16)
     text = torch.randn(1, 5, TINY.text_dim, generator=torch.Generator().manual_seed(7))
     passes = resolve_passes("all", 4)
     layer = 1
@@ -203,7 +207,7 @@ def test_capture_of_a_bfloat16_model_reduces_in_float32(tmp_path):
 
     def hook(index, q, k, visible):
         assert q.dtype == k.dtype == torch.bfloat16  # the model's own dtype reaches the capture
-        calls.append((*state["pass"], q[0].clone(), k[0].clone(), visible.tokens.clone()))
+        calls.append((*state["pass"], q[0].clone(), k[0].clone(), visible.tokens.cpu()))
         capture(index, q, k, visible)
 
     model.set_capture(hook, {layer})
@@ -213,6 +217,7 @@ def test_capture_of_a_bfloat16_model_reduces_in_float32(tmp_path):
             text,
             geometry=TINY_GEOMETRY,
             seed=2,
+            device=device,
             dtype=torch.bfloat16,
             on_pass=on_pass,
             progress=False,
@@ -228,13 +233,13 @@ def test_capture_of_a_bfloat16_model_reduces_in_float32(tmp_path):
             rows = slice(i * T, (i + 1) * T)
             for head in range(TINY.num_heads):
                 q64, k64 = q[rows, head].double(), k[:, head].double()
-                exact = torch.softmax(q64 @ k64.T * scale, dim=-1).mean(dim=0).numpy()
+                exact = torch.softmax(q64 @ k64.T * scale, dim=-1).mean(dim=0).cpu().numpy()
                 got = stored[step, head, start + i, tokens.numpy()]
                 assert not np.isnan(got).any()
                 compared += 1
                 float32_error = max(float32_error, float(np.abs(got - exact).max()))
                 low = torch.softmax(q[rows, head] @ k[:, head].T * scale, dim=-1)
-                low = low.float().mean(dim=0).numpy()
+                low = low.float().mean(dim=0).cpu().numpy()
                 bfloat16_error = max(bfloat16_error, float(np.abs(low - exact).max()))
     assert len(calls) == 5 * len(TINY_GEOMETRY.block_sizes)
     assert compared == 5 * TINY_GEOMETRY.num_frames * TINY.num_heads

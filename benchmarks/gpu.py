@@ -1,0 +1,298 @@
+"""One command for the first GPU: the CUDA tests, the survey and capture costs at the real
+geometry and width, and bfloat16 against float32, printed as one table to paste into
+benchmarks/README.md (device named).
+
+On a machine without CUDA it says so and exits 0 (`--cpu-smoke` runs the same code at toy size
+on the CPU instead, to check the script itself).
+
+What it measures, with random weights of Wan2.1-T2V-1.3B's shape (30 layers, 12 heads of 128,
+ffn 8960, text 512 x 4096) at the real token geometry (60 x 104 latent: T = 1560 tokens per
+frame; 21 frames in 7 blocks of 3; Self-Forcing's 4 steps and the cache pass), in the dtype a
+GPU job runs (`dtype: auto`, bfloat16):
+1. the CUDA tests (`pytest -m "not workflow"` on the modules with CUDA paths);
+2. a plain rollout; the survey of all 30 layers x 5 passes (attention stores, as the survey job
+   writes them); the token capture of layers 0 and 4 at pass 0 (token stores, as the extract
+   job with `capture.token_passes: 0`). Targets: survey / plain <= 2.0 (TIME_RATIO_TARGET),
+   and each run's peak GPU memory (`torch.cuda.max_memory_allocated`: tensors only, the CUDA
+   context comes on top) within the plan's estimate (`workflow.resources.gpu_memory_bytes`,
+   which `snakemake -n` prints, its 1.5 GB allowance for the context included);
+3. bfloat16 against float32 at that width on the first --compare-layers layers: latents
+   (relative L2 per frame) and the surveyed key_mass (largest absolute difference).
+
+    python benchmarks/gpu.py                 # ~5-10 min on an H100
+    python benchmarks/gpu.py --cpu-smoke     # the same code, toy size, on the CPU (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TIME_RATIO_TARGET = 2.0
+# The modules whose tests take a CUDA path when a GPU is there.
+CUDA_TESTS = ["tests/test_precision.py", "tests/test_text.py", "tests/test_gpus.py"]
+# Wan2.1-T2V-1.3B's shape and the real geometry; the smoke run's toy ones.
+REAL = {
+    "model": {
+        "dim": 1536,
+        "ffn_dim": 8960,
+        "num_heads": 12,
+        "num_layers": 30,
+        "freq_dim": 256,
+        "text_dim": 4096,
+        "text_len": 512,
+    },
+    "video": {"num_frames": 21, "frames_per_block": 3, "latent_height": 60, "latent_width": 104},
+}
+SMOKE = {
+    "model": {
+        "dim": 32,
+        "ffn_dim": 48,
+        "num_heads": 2,
+        "num_layers": 5,
+        "freq_dim": 16,
+        "text_dim": 8,
+        "text_len": 8,
+    },
+    "video": {"num_frames": 6, "frames_per_block": 3, "latent_height": 4, "latent_width": 6},
+}
+TOKEN_LAYERS = [0, 4]
+
+
+def plan_config(scale: dict, dtype: str) -> dict:
+    """The embedded default with the demo model at `scale`'s shape, as `snakemake -n` would plan
+    it (schema defaults filled in)."""
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((REPO / "config.yaml").read_text())
+    config["demo"]["model"] = dict(scale["model"])
+    config["video"] = {**config["video"], **scale["video"]}
+    config["dtype"] = dtype
+    validate(config, str(REPO / "schemas" / "config.schema.yaml"))
+    return config
+
+
+def build(scale: dict, device: torch.device, dtype: torch.dtype, layers: int | None = None):
+    from sinkscope.extraction.sampling import Geometry
+    from sinkscope.wan.config import WanConfig
+    from sinkscope.wan.model import WanModel
+
+    shape = dict(scale["model"])
+    if layers is not None:
+        shape["num_layers"] = layers
+    cfg = WanConfig(**shape)
+    model = WanModel(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model = model.eval().requires_grad_(False).to(device=device, dtype=dtype)
+    text = torch.randn(1, cfg.text_len, cfg.text_dim, generator=torch.Generator().manual_seed(1))
+    return model, text, Geometry(**scale["video"])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def timed_rollout(
+    model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
+):
+    """(seconds, peak GPU bytes, latents) of one rollout, capturing `layers` into stores of kind
+    `store` under the folder `stores` when given."""
+    from sinkscope.extraction.capture import LogitCapture
+    from sinkscope.extraction.sampling import SELF_FORCING, rollout
+    from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
+    from sinkscope.passes import resolve_passes
+
+    cfg = model.config
+    t = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
+    passes = resolve_passes("all" if store == "attention" else 0, len(SELF_FORCING.steps))
+    timesteps, kinds = SELF_FORCING.pass_timesteps(), SELF_FORCING.pass_kinds()
+    common = {
+        "num_heads": cfg.num_heads,
+        "num_frames": geometry.num_frames,
+        "frame_seq_length": t,
+        "timesteps": [timesteps[p] for p in passes],
+        "pass_kinds": [kinds[p] for p in passes],
+        "attrs": {"benchmark": "benchmarks/gpu.py", "block_sizes": geometry.block_sizes},
+    }
+    reset_peak(device)
+    synchronize(device)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        capture = None
+        if stores is not None:
+            writers = {}
+            for layer in layers:
+                path = stores / f"{store}{layer}.zarr"
+                if store == "attention":
+                    writer = AttentionStoreWriter(
+                        path, frames_per_block=geometry.frames_per_block, **common
+                    )
+                else:
+                    writer = TokenStoreWriter(path, **common)
+                writers[layer] = stack.enter_context(writer)
+            capture = LogitCapture(writers, passes, t, cfg.head_dim)
+            model.set_capture(capture, capture.layers)
+        try:
+            latents = rollout(
+                model,
+                text,
+                geometry=geometry,
+                schedule=SELF_FORCING,
+                seed=42,
+                device=device,
+                dtype=dtype,
+                on_pass=None if capture is None else capture.begin_pass,
+                progress=False,
+            )
+        finally:
+            model.set_capture(None)
+        synchronize(device)
+    return time.perf_counter() - started, peak(device), latents
+
+
+def cuda_tests() -> str:
+    """The CUDA tests' pytest summary line."""
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "not workflow", "-p", "no:cacheprovider"]
+    result = subprocess.run(
+        [*command, *CUDA_TESTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    return (lines[-1] if lines else result.stderr.strip()[-200:]).strip("= ")
+
+
+def compare_dtypes(scale: dict, device: torch.device, layers: int, folder: Path) -> dict:
+    """bfloat16 against float32, one model at the real width and `layers` layers, every layer
+    surveyed."""
+    import xarray as xr
+
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model, text, geometry = build(scale, device, dtype, layers)
+        stores = folder / name
+        stores.mkdir()
+        _, _, latents = timed_rollout(
+            model, text, geometry, device, dtype, stores=stores, layers=range(layers)
+        )
+        mass = [
+            xr.open_zarr(stores / f"attention{layer}.zarr").key_mass.values
+            for layer in range(layers)
+        ]
+        out[name] = (latents, mass)
+        del model
+    (f32, f32_mass), (bf16, bf16_mass) = out["float32"], out["bfloat16"]
+    a, b = bf16.double()[0].transpose(0, 1).flatten(1), f32.double()[0].transpose(0, 1).flatten(1)
+    rel = ((a - b).norm(dim=1) / b.norm(dim=1)).max().item()
+    mass = max(float(abs(x - y)[~(x != x)].max()) for x, y in zip(bf16_mass, f32_mass, strict=True))
+    return {"latents": rel, "key_mass": mass}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="toy size on the CPU")
+    parser.add_argument("--compare-layers", type=int, default=4)
+    parser.add_argument("--no-tests", action="store_true", help="skip the CUDA tests")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print(
+            f"benchmarks/gpu.py: no CUDA device on this machine (torch {torch.__version__}); "
+            "nothing to measure. Run it on a GPU machine (--cpu-smoke checks the script here)."
+        )
+        return 0
+    from sinkscope.workflow.resources import gpu_memory_bytes
+
+    scale = SMOKE if args.cpu_smoke else REAL
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    device_name = "CPU (smoke, toy size)" if args.cpu_smoke else torch.cuda.get_device_name()
+    dtype = torch.bfloat16  # what `dtype: auto` runs on CUDA
+    rows = []
+    if not args.no_tests and not args.cpu_smoke:
+        rows.append(("CUDA tests", cuda_tests(), ""))
+    config = plan_config(scale, "auto")
+    estimate = {
+        job: gpu_memory_bytes(config, "demo_a", job)["total"] for job in ("extract", "survey")
+    }
+    model, text, geometry = build(scale, device, dtype)
+    layers = list(range(model.config.num_layers))
+    with tempfile.TemporaryDirectory(dir=REPO) as folder:
+        folder = Path(folder)
+        timed_rollout(model, text, geometry, device, dtype)  # warm-up: kernels, allocator
+        plain, plain_peak, _ = timed_rollout(model, text, geometry, device, dtype)
+        survey_dir, token_dir = folder / "survey", folder / "tokens"
+        survey_dir.mkdir()
+        token_dir.mkdir()
+        survey, survey_peak, _ = timed_rollout(
+            model, text, geometry, device, dtype, stores=survey_dir, layers=layers
+        )
+        tokens, token_peak, _ = timed_rollout(
+            model,
+            text,
+            geometry,
+            device,
+            dtype,
+            stores=token_dir,
+            store="tokens",
+            layers=[layer for layer in TOKEN_LAYERS if layer < len(layers)],
+        )
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        compare_dir = folder / "compare"
+        compare_dir.mkdir()
+        compared = compare_dtypes(scale, device, args.compare_layers, compare_dir)
+    ratio = survey / plain
+    gb = 1e9
+    rows += [
+        ("plain bf16 rollout", f"{plain:.1f} s", f"peak {plain_peak / gb:.2f} GB"),
+        (
+            f"survey, {len(layers)} layers x 5 passes",
+            f"{survey:.1f} s, {ratio:.2f} x plain (target <= {TIME_RATIO_TARGET})"
+            f" {'met' if ratio <= TIME_RATIO_TARGET else 'MISSED'}",
+            f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
+            f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}",
+        ),
+        (
+            f"token capture, layers {TOKEN_LAYERS}, pass 0",
+            f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
+            f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
+            f"{'within' if token_peak <= estimate['extract'] else 'OVER'}",
+        ),
+        (
+            f"bf16 vs fp32, {args.compare_layers} layers",
+            f"latents {compared['latents']:.2e} (rel. L2, worst frame)",
+            f"key_mass {compared['key_mass']:.2e} (abs., worst key)",
+        ),
+    ]
+    print(f"\n### `benchmarks/gpu.py` on {device_name}, torch {torch.__version__}\n")
+    print("| what | time / result | memory / detail |")
+    print("|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"\n(one run each after a warm-up; geometry {scale['video']}; u = 2^-8 = {2**-8:.2e})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
