@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# One thread per pytest-xdist worker for torch, BLAS and the compressors (set before they load):
+# two workers of two threads each on two cores spend their time waiting for each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from pathlib import Path
 
 import pytest
@@ -18,10 +25,18 @@ TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, late
 
 
 def pytest_collection_modifyitems(items):
-    """A test that uses the demo run is a workflow test, marked or not."""
+    """A test that uses the demo run is a workflow test, marked or not. Under pytest-xdist
+    (`--dist loadgroup`) the tests sharing the demo run keep to one worker, so it runs once, and
+    so do those sharing a module fixture (a SLURM cluster, a report), so it is built once; the
+    others spread one by one."""
     for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        definitions = fixtures.name2fixturedefs.values() if fixtures is not None else ()
         if "demo_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.workflow)
+            item.add_marker(pytest.mark.xdist_group("demo_run"))
+        elif any(defs[-1].scope == "module" for defs in definitions):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(autouse=True)

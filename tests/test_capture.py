@@ -263,6 +263,9 @@ def test_extraction_fails_early_without_disk_space(tmp_path, monkeypatch):
     import shutil
 
     prompt, settings = _write_inputs(tmp_path)
+    # Claims live under the working directory: a folder of its own, so that no job of another
+    # test (another xdist worker) holds one there.
+    monkeypatch.chdir(tmp_path)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1000))
     out = tmp_path / "out" / "layer0.zarr"

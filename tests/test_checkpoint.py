@@ -24,10 +24,10 @@ from sinkscope.workflow.entries import ConfigError, checkpoint_inputs
 from .conftest import TINY, make_tiny_model
 from .test_onboarding import WAN_13B_CONFIG
 
-diffusers = pytest.importorskip("diffusers")
-
 
 def tiny_diffusers_model(seed: int = 0):
+    # Imported here, not at collection: diffusers takes 3 s to import, in every xdist worker.
+    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(seed)
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2),

@@ -697,6 +697,8 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     written = {}
     for run in ("a", "b"):
         outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
+        if fmt == "png":  # the SVG case draws them all; one says PNG works (5 s less)
+            outputs = outputs[:1]
         paths = render_figures(
             [],
             outputs,
