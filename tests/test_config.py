@@ -324,20 +324,18 @@ def test_dtype_is_in_the_params_of_every_job_it_affects(tmp_path):
     config = checked()
     assert config["dtype"] == "auto"
     cache = tmp_path / "cache.json"
-    before = [
-        extraction_settings(config, "demo_a", cache),
-        extraction_settings(config, "demo_a", cache, store="attention"),
-        closed_loop_settings(config, "demo_a", "window", cache),
-    ]
-    assert all(params["dtype"] == "auto" for params in before)
+
+    def job_params():
+        return [
+            extraction_settings(config, "demo_a", cache),
+            extraction_settings(config, "demo_a", cache, store="attention"),
+            closed_loop_settings(config, "demo_a", "window", cache),
+        ]
+
+    assert all(params["dtype"] == "auto" for params in job_params())
     estimate = gpu_memory_bytes(config, "demo_a", "survey")
     config["dtype"] = "float32"
-    after = [
-        extraction_settings(config, "demo_a", cache),
-        extraction_settings(config, "demo_a", cache, store="attention"),
-        closed_loop_settings(config, "demo_a", "window", cache),
-    ]
-    assert all(params["dtype"] == "float32" for params in after)
+    assert all(params["dtype"] == "float32" for params in job_params())
     wider = gpu_memory_bytes(config, "demo_a", "survey")
     for part in ("weights", "kv_cache", "text_cache", "activations"):
         assert wider[part] == 2 * estimate[part], part
