@@ -170,7 +170,7 @@ def rolling_policy_recall(
             for choice in choices
         }
         for part in call.parts:
-            step = step_of_pass.get(part.pass_index) if part.pass_index is not None else None
+            step = step_of_pass.get(part.pass_index)  # None: not captured
             if step is None:
                 continue
             per_frame = prob_mass[step][:, part.start : part.end].mean(axis=1)  # [H, K]

@@ -27,10 +27,9 @@ from .entries import (
     survey_layers,
     token_layers,
 )
-from .resources import gpu_memory_bytes, store_geometry
+from .resources import gpu_dtype, gpu_memory_bytes, store_geometry
 
 LATENT_CHANNELS = 16
-GPU_DTYPE_NAMES = {"auto": "bf16", "bfloat16": "bf16", "float32": "fp32"}  # `dtype` on CUDA
 
 
 @dataclass
@@ -179,7 +178,7 @@ def format_plan(config: dict) -> str:
     if gpu is not None:
         job, parts = gpu
         lines.append(
-            f"  GPU memory (estimate, {GPU_DTYPE_NAMES[config.get('dtype', 'auto')]}): about "
+            f"  GPU memory (estimate, {gpu_dtype(config)}): about "
             f"{_size(parts['total'])} for {job} (weights "
             f"{_size(parts['weights'])}, KV cache {_size(parts['kv_cache'])}, capture "
             f"{_size(parts['capture'])})"

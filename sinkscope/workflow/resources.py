@@ -203,7 +203,14 @@ def encode_mem_mb(config: dict, prompt: str) -> int:
 
 # CUDA context, cuBLAS workspaces and the caching allocator's slack: not from the sizes below.
 GPU_OVERHEAD_BYTES = 1_500_000_000
-GPU_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}  # `dtype` on CUDA (wan.precision)
+# What a CUDA job runs under each `dtype` setting (wan.precision), and its bytes per value.
+GPU_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "float32": "fp32"}
+GPU_DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+def gpu_dtype(config: dict) -> str:
+    """The dtype a CUDA job of `config` runs in: `bf16` or `fp32`."""
+    return GPU_DTYPES[config.get("dtype", "auto")]
 
 
 def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None = None) -> dict:
@@ -245,7 +252,7 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         cached_frames = g.num_frames if window == -1 else min(window, g.num_frames)
     tokens = cached_frames * g.frame_seq_length
     visible_keys = tokens  # a query frame sees at most the cache
-    value_bytes = GPU_DTYPE_BYTES[config.get("dtype", "auto")]
+    value_bytes = GPU_DTYPE_BYTES[gpu_dtype(config)]
     parts = {
         "weights": model.num_parameters * value_bytes,
         "kv_cache": model.num_layers * 2 * tokens * model.dim * value_bytes,
