@@ -11,15 +11,17 @@ frame; 21 frames in 7 blocks of 3; Self-Forcing's 4 steps and the cache pass), i
 GPU job runs (`dtype: auto`, bfloat16):
 1. the CUDA tests (`pytest -m "not workflow"` on the modules with CUDA paths);
 2. a plain rollout; the survey of all 30 layers x 5 passes (attention stores, as the survey job
-   writes them); the token capture of layers 0 and 4 at pass 0 (token stores, as the extract
-   job with `capture.token_passes: 0`). Targets: survey / plain <= 2.0 (TIME_RATIO_TARGET),
-   and each run's peak GPU memory (`torch.cuda.max_memory_allocated`: tensors only, the CUDA
-   context comes on top) within the plan's estimate (`workflow.resources.gpu_memory_bytes`,
-   which `snakemake -n` prints, its 1.5 GB allowance for the context included);
+   writes them, the softmax reductions in `extraction/fused_softmax.py`'s kernels; then once
+   more on the torch path those replace, for comparison); the token capture of layer 0 at
+   pass 0 (token stores, as the extract job with `capture.token_passes: 0`). Targets: survey /
+   plain <= 2.0 (TIME_RATIO_TARGET), and each run's peak GPU memory
+   (`torch.cuda.max_memory_allocated`: tensors only, the CUDA context comes on top) within the
+   plan's estimate (`workflow.resources.gpu_memory_bytes`, which `snakemake -n` prints, its
+   1.5 GB allowance for the context included);
 3. bfloat16 against float32 at that width on the first --compare-layers layers: latents
    (relative L2 per frame) and the surveyed key_mass (largest absolute difference).
 
-    python benchmarks/gpu.py                 # ~5-10 min on an H100
+    python benchmarks/gpu.py                 # ~5 min on an H200
     python benchmarks/gpu.py --cpu-smoke     # the same code, toy size, on the CPU (~1 min)
 """
 
@@ -27,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -39,7 +43,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 TIME_RATIO_TARGET = 2.0
 # The modules whose tests take a CUDA path when a GPU is there.
-CUDA_TESTS = ["tests/test_precision.py", "tests/test_text.py", "tests/test_gpus.py"]
+CUDA_TESTS = [
+    "tests/test_precision.py",
+    "tests/test_text.py",
+    "tests/test_gpus.py",
+    "tests/test_fused_softmax.py",
+]
 # Wan2.1-T2V-1.3B's shape and the real geometry; the smoke run's toy ones.
 REAL = {
     "model": {
@@ -65,7 +74,9 @@ SMOKE = {
     },
     "video": {"num_frames": 6, "frames_per_block": 3, "latent_height": 4, "latent_width": 6},
 }
-TOKEN_LAYERS = [0, 4]
+# As the embedded default captures (`layers: [0]`): 12 heads of pass 0 are 14.7 GB of float16.
+TOKEN_LAYERS = [0]
+WRITE_SECONDS: dict[str, float] = {}
 
 
 def plan_config(scale: dict, dtype: str) -> dict:
@@ -112,11 +123,30 @@ def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def compile_kernels(model, geometry, device, dtype) -> None:
+    """Compiles the survey's fused kernels for every key count it meets (Triton specialises
+    integer arguments on their divisibility by 16), so no compile lands in a timed run."""
+    from sinkscope.extraction import fused_softmax
+
+    cfg = model.config
+    shape = (cfg.num_heads, cfg.head_dim)
+    t = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
+    q = torch.zeros((geometry.frames_per_block * t, *shape), device=device, dtype=dtype)
+    if not fused_softmax.usable(q):
+        return
+    for blocks in range(1, len(geometry.block_sizes) + 1):
+        keys = sum(geometry.block_sizes[:blocks]) * t
+        k = torch.zeros((keys, *shape), device=device, dtype=dtype)
+        fused_softmax.fused_reductions(q, k, 1.0, geometry.frames_per_block)
+    synchronize(device)
+
+
 def timed_rollout(
     model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
 ):
     """(seconds, peak GPU bytes, latents) of one rollout, capturing `layers` into stores of kind
-    `store` under the folder `stores` when given."""
+    `store` under the folder `stores` when given (their writer threads' busy seconds, summed,
+    in WRITE_SECONDS[store])."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
@@ -138,9 +168,8 @@ def timed_rollout(
     synchronize(device)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        capture = None
+        capture, writers = None, {}
         if stores is not None:
-            writers = {}
             for layer in layers:
                 path = stores / f"{store}{layer}.zarr"
                 if store == "attention":
@@ -167,7 +196,9 @@ def timed_rollout(
         finally:
             model.set_capture(None)
         synchronize(device)
-    return time.perf_counter() - started, peak(device), latents
+    seconds = time.perf_counter() - started  # the writers closed: everything on disk
+    WRITE_SECONDS[store] = sum(writer.write_seconds for writer in writers.values())
+    return seconds, peak(device), latents
 
 
 def cuda_tests() -> str:
@@ -180,6 +211,8 @@ def cuda_tests() -> str:
         text=True,
     )
     lines = [line for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode != 0:  # what failed, above the table
+        print("\n".join(lines[-60:]) or result.stderr[-4000:], flush=True)
     return (lines[-1] if lines else result.stderr.strip()[-200:]).strip("= ")
 
 
@@ -211,11 +244,47 @@ def compare_dtypes(scale: dict, device: torch.device, layers: int, folder: Path)
     return {"latents": max(rel_l2), "key_mass": mass}
 
 
+class Table(list):
+    """The table's rows, each also printed as it is measured (a killed run keeps what it got)."""
+
+    HEADER = "| what | time / result | memory / detail |\n|---|---|---|"
+
+    @staticmethod
+    def line(row: tuple[str, str, str]) -> str:
+        return "| " + " | ".join(row) + " |"
+
+    def add(self, row: tuple[str, str, str]) -> None:
+        self.append(row)
+        print(self.line(row), flush=True)
+
+
+def stage(name: str):
+    """Prints when a stage starts and ends (a first GPU run is watched live), and turns a failure
+    into the stage's error so the other stages still run and the table still prints."""
+
+    @contextlib.contextmanager
+    def guard():
+        started = time.perf_counter()
+        print(f"[gpu.py] {name} ...", flush=True)
+        result = {"error": None}
+        try:
+            yield result
+        except Exception as error:  # reported in the table; traceback above it
+            traceback.print_exc()
+            result["error"] = f"FAILED: {type(error).__name__}: {str(error)[:160]}"
+        print(f"[gpu.py] {name}: {time.perf_counter() - started:.1f} s", flush=True)
+
+    return guard()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="toy size on the CPU")
     parser.add_argument("--compare-layers", type=int, default=4)
     parser.add_argument("--no-tests", action="store_true", help="skip the CUDA tests")
+    parser.add_argument(
+        "--no-torch-survey", action="store_true", help="skip the survey on the torch path"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(
@@ -229,71 +298,110 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     device_name = "CPU (smoke, toy size)" if args.cpu_smoke else torch.cuda.get_device_name()
     dtype = torch.bfloat16  # what `dtype: auto` runs on CUDA
-    rows = []
+    rows = Table()
     if not args.no_tests and not args.cpu_smoke:
-        rows.append(("CUDA tests", cuda_tests(), ""))
+        with stage("CUDA tests") as tests:
+            summary = cuda_tests()
+        rows.add(("CUDA tests", tests["error"] or summary, ""))
     config = plan_config(scale, "auto")
     estimate = {
         job: gpu_memory_bytes(config, "demo_a", job)["total"] for job in ("extract", "survey")
     }
-    model, text, geometry = build(scale, device, dtype)
-    layers = list(range(model.config.num_layers))
+    gb = 1e9
     with tempfile.TemporaryDirectory(dir=REPO) as folder:
         folder = Path(folder)
-        timed_rollout(model, text, geometry, device, dtype)  # warm-up: kernels, allocator
-        plain, plain_peak, _ = timed_rollout(model, text, geometry, device, dtype)
-        survey_dir, token_dir = folder / "survey", folder / "tokens"
-        survey_dir.mkdir()
-        token_dir.mkdir()
-        survey, survey_peak, _ = timed_rollout(
-            model, text, geometry, device, dtype, stores=survey_dir, layers=layers
-        )
-        tokens, token_peak, _ = timed_rollout(
-            model,
-            text,
-            geometry,
-            device,
-            dtype,
-            stores=token_dir,
-            store="tokens",
-            layers=[layer for layer in TOKEN_LAYERS if layer < len(layers)],
-        )
-        del model
+        with stage("rollouts") as rollouts:
+            model, text, geometry = build(scale, device, dtype)
+            layers = list(range(model.config.num_layers))
+            timed_rollout(model, text, geometry, device, dtype)  # warm-up: kernels, allocator
+            compile_kernels(model, geometry, device, dtype)
+            plain, plain_peak, _ = timed_rollout(model, text, geometry, device, dtype)
+            rows.add(("plain bf16 rollout", f"{plain:.1f} s", f"peak {plain_peak / gb:.2f} GB"))
+            survey_dir, token_dir = folder / "survey", folder / "tokens"
+            survey_dir.mkdir()
+            token_dir.mkdir()
+            survey, survey_peak, _ = timed_rollout(
+                model, text, geometry, device, dtype, stores=survey_dir, layers=layers
+            )
+            ratio = survey / plain
+            rows.add(
+                (
+                    f"survey, {len(layers)} layers x 5 passes",
+                    f"{survey:.1f} s, {ratio:.2f} x plain (target <= {TIME_RATIO_TARGET})"
+                    f" {'met' if ratio <= TIME_RATIO_TARGET else 'MISSED'}",
+                    f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
+                    f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}; "
+                    f"writers busy {WRITE_SECONDS['attention']:.1f} s in all",
+                )
+            )
+            if device.type == "cuda" and not args.no_torch_survey:
+                # The same survey on the torch path the fused kernels replace on a GPU.
+                os.environ["SINKSCOPE_FUSED_SOFTMAX"] = "0"
+                try:
+                    (folder / "survey_torch").mkdir()
+                    torch_survey, _, _ = timed_rollout(
+                        model,
+                        text,
+                        geometry,
+                        device,
+                        dtype,
+                        stores=folder / "survey_torch",
+                        layers=layers,
+                    )
+                finally:
+                    del os.environ["SINKSCOPE_FUSED_SOFTMAX"]
+                rows.add(
+                    (
+                        "survey, torch reductions (SINKSCOPE_FUSED_SOFTMAX=0)",
+                        f"{torch_survey:.1f} s, {torch_survey / plain:.2f} x plain",
+                        "",
+                    )
+                )
+            token_layers = [layer for layer in TOKEN_LAYERS if layer < len(layers)]
+            tokens, token_peak, _ = timed_rollout(
+                model,
+                text,
+                geometry,
+                device,
+                dtype,
+                stores=token_dir,
+                store="tokens",
+                layers=token_layers,
+            )
+            rows.add(
+                (
+                    f"token capture, layers {token_layers}, pass 0",
+                    f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
+                    f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
+                    f"{'within' if token_peak <= estimate['extract'] else 'OVER'}; "
+                    f"writer busy {WRITE_SECONDS['tokens']:.1f} s",
+                )
+            )
+        if rollouts["error"]:
+            rows.add(("rollouts", rollouts["error"], ""))
+        model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        compare_dir = folder / "compare"
-        compare_dir.mkdir()
-        compared = compare_dtypes(scale, device, args.compare_layers, compare_dir)
-    ratio = survey / plain
-    gb = 1e9
-    rows += [
-        ("plain bf16 rollout", f"{plain:.1f} s", f"peak {plain_peak / gb:.2f} GB"),
-        (
-            f"survey, {len(layers)} layers x 5 passes",
-            f"{survey:.1f} s, {ratio:.2f} x plain (target <= {TIME_RATIO_TARGET})"
-            f" {'met' if ratio <= TIME_RATIO_TARGET else 'MISSED'}",
-            f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
-            f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}",
-        ),
-        (
-            f"token capture, layers {TOKEN_LAYERS}, pass 0",
-            f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
-            f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
-            f"{'within' if token_peak <= estimate['extract'] else 'OVER'}",
-        ),
-        (
-            f"bf16 vs fp32, {args.compare_layers} layers",
-            f"latents {compared['latents']:.2e} (rel. L2, worst frame)",
-            f"key_mass {compared['key_mass']:.2e} (abs., worst key)",
-        ),
-    ]
+        with stage("bfloat16 against float32") as comparison:
+            compare_dir = folder / "compare"
+            compare_dir.mkdir()
+            compared = compare_dtypes(scale, device, args.compare_layers, compare_dir)
+            rows.add(
+                (
+                    f"bf16 vs fp32, {args.compare_layers} layers",
+                    f"latents {compared['latents']:.2e} (rel. L2, worst frame)",
+                    f"key_mass {compared['key_mass']:.2e} (abs., worst key)",
+                )
+            )
+        if comparison["error"]:
+            rows.add((f"bf16 vs fp32, {args.compare_layers} layers", comparison["error"], ""))
+        failed = bool(rollouts["error"] or comparison["error"])
     print(f"\n### `benchmarks/gpu.py` on {device_name}, torch {torch.__version__}\n")
-    print("| what | time / result | memory / detail |")
-    print("|---|---|---|")
+    print(Table.HEADER)
     for row in rows:
-        print("| " + " | ".join(row) + " |")
+        print(Table.line(row))
     print(f"\n(one run each after a warm-up; geometry {scale['video']}; u = 2^-8 = {2**-8:.2e})")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -37,5 +37,5 @@ def test_gpu_benchmark_smoke_prints_its_table():
     assert "### `benchmarks/gpu.py` on CPU (smoke, toy size)" in table
     for row in ("| plain bf16 rollout |", "| survey, 5 layers x 5 passes |"):
         assert row in table
-    assert "| token capture, layers [0, 4], pass 0 |" in table
+    assert "| token capture, layers [0], pass 0 |" in table
     assert "| bf16 vs fp32, 2 layers | latents " in table

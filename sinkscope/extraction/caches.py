@@ -22,6 +22,7 @@ from sinkscope.cache_choices import KEY_KIND, DeepSinkTurns, ParticipativeChoice
 from sinkscope.wan.model import CacheEngine, KVCache
 from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
 
+from . import fused_softmax
 from .capture import CPU_SOFTMAX_ROWS, softmax_reductions
 
 TURNS = ("delta", "rerope")
@@ -261,7 +262,10 @@ class TopCKVCache(CacheEngine):
 
     def _score(self, q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
         """Each visible key's mean softmax probability over the queries q, per head."""
-        rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None  # as the survey's capture
+        if fused_softmax.usable(q):  # as the survey's capture
+            key_mass, _ = fused_softmax.fused_reductions(q[0], keys[0], self.scale, frames=1)
+            return key_mass[:, 0].cpu().numpy()
+        rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None
         return (
             torch.stack(
                 [

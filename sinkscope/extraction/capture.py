@@ -22,11 +22,12 @@ from sinkscope.cache_choices import KEY_KIND
 from sinkscope.schedules import KEY_VERSION, BlockPart, ModelCall, version_code
 from sinkscope.wan.model import VisibleKeys
 
+from . import fused_softmax
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter
 
 # Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
 # (64 rows of 32760 keys: 8 MB), about as fast as the fused attention kernel at head_dim 128
-# (benchmarks/survey.py). On a GPU a whole tile is one chunk.
+# (benchmarks/survey.py). On a GPU a whole tile is one chunk, where `fused_softmax` cannot run.
 CPU_SOFTMAX_ROWS = 64
 
 
@@ -201,16 +202,20 @@ class LogitCapture:
         frames] of the call's queries q [n, heads, D] against its keys k [M, heads, D]."""
         t = self.frame_seq_length
         heads, frames = q.shape[1], q.shape[0] // t
-        rows = self.softmax_rows or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
-        key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
-        entropy = torch.empty((heads, frames), device=q.device)
-        for head in range(heads):
-            k_head = k[:, head].float()
-            for frame in range(frames):
-                q_frame = q[frame * t : (frame + 1) * t, head]
-                mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows, bias)
-                key_mass[head, frame] = mass
-                entropy[head, frame] = row_entropy.mean()
+        if fused_softmax.usable(q):
+            key_mass, row_entropy = fused_softmax.fused_reductions(q, k, self.scale, frames, bias)
+            entropy = row_entropy.mean(dim=-1)
+        else:
+            rows = self.softmax_rows or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
+            key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
+            entropy = torch.empty((heads, frames), device=q.device)
+            for head in range(heads):
+                k_head = k[:, head].float()
+                for frame in range(frames):
+                    q_frame = q[frame * t : (frame + 1) * t, head]
+                    mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows, bias)
+                    key_mass[head, frame] = mass
+                    entropy[head, frame] = row_entropy.mean()
         # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
         # (the mean in float64, the products in float32 like the softmax's), bias included.
         q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1).float()
