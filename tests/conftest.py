@@ -24,6 +24,9 @@ TINY = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, freq_dim=16, tex
 TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, latent_width=6)
 
 
+# First among the plugins: pytest-xdist's worker reads the xdist_group marks in its own
+# collection hook (it appends the group to the node id), so they must be there before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """A test that uses the demo run is a workflow test, marked or not. Under pytest-xdist
     (`--dist loadgroup`) the tests sharing the demo run keep to one worker, so it runs once, and

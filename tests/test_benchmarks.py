@@ -1,11 +1,10 @@
 """benchmarks/gpu.py, the one command for the first GPU: without CUDA it says so and exits 0;
 its whole measurement runs at toy size on the CPU (`--cpu-smoke`), so a GPU session finds a
-script that works."""
+script that works. In process (its `main`), as `python benchmarks/gpu.py` runs it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 
 import pytest
 import torch
@@ -13,29 +12,25 @@ import torch
 from .workflowtools import REPO
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _gpu_benchmark():
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", REPO / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real thing")
-def test_gpu_benchmark_without_cuda_says_so_and_exits_0():
-    result = _run()
-    assert result.returncode == 0, result.stderr
-    assert "no CUDA device on this machine" in result.stdout
+def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
+    assert _gpu_benchmark().main([]) == 0
+    assert "no CUDA device on this machine" in capsys.readouterr().out
 
 
-def test_gpu_benchmark_smoke_prints_its_table():
-    result = _run("--cpu-smoke", "--compare-layers", "2")
-    assert result.returncode == 0, result.stderr
-    table = result.stdout
+def test_gpu_benchmark_smoke_prints_its_table(capsys):
+    assert _gpu_benchmark().main(["--cpu-smoke", "--compare-layers", "2"]) == 0
+    table = capsys.readouterr().out
     assert "### `benchmarks/gpu.py` on CPU (smoke, toy size)" in table
     for row in ("| plain bf16 rollout |", "| survey, 5 layers x 5 passes |"):
         assert row in table
     assert "| token capture, layers [0], pass 0 |" in table
     assert "| bf16 vs fp32, 2 layers | latents " in table
+    assert "FAILED" not in table  # a stage that fails becomes its row's error
