@@ -29,16 +29,16 @@ TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, late
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """A test that uses the demo run is a workflow test, marked or not. Under pytest-xdist
-    (`--dist loadgroup`) the tests sharing the demo run keep to one worker, so it runs once, and
-    so do those sharing a module fixture (a SLURM cluster, a report), so it is built once; the
-    others spread one by one."""
+    (`--dist loadgroup`) the tests sharing a module fixture (a SLURM cluster, a report) keep to
+    one worker, so it is built once; the others spread one by one. The demo run's tests are not
+    grouped: they take most of the workflow tier, and on one worker they left the other idle for
+    minutes (12 min 44 s for the suite), so each worker runs the demo once for its share."""
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         definitions = fixtures.name2fixturedefs.values() if fixtures is not None else ()
         if "demo_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.workflow)
-            item.add_marker(pytest.mark.xdist_group("demo_run"))
-        elif any(defs[-1].scope == "module" for defs in definitions):
+        if any(defs[-1].scope == "module" for defs in definitions):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 

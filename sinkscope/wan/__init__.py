@@ -1,10 +1,11 @@
 """The Wan2.1 T2V DiT and its text encoder, as the checkpoints researchers have define them.
 
 Torch: `model.py` (the DiT with its block-causal KV cache), `rope.py`, `checkpoint.py` (loading
-and saving weights), `text.py` (UMT5 prompt encoding), `precision.py` (the `dtype` setting).
-Torch-free, so Snakemake can read them
-while parsing: `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files),
-`spec.py` (`CheckpointSpec`) and `demo.py` (the demo model's size; torch only to make one).
+and saving weights), `lora.py` (LoRA adapters merged at load), `text.py` (UMT5 prompt encoding),
+`precision.py` (the `dtype` setting). Torch-free, so Snakemake can read them while parsing:
+`config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
+(`CheckpointSpec`), `lora_keys.py` (a LoRA file's keys and shapes, what is refused) and `demo.py`
+(the demo model's size; torch only to make one).
 Imports nothing of sinkscope but the shared `storage` and `cache_choices` (the kinds of key a
 cache labels, `KEY_KIND`).
 """

@@ -6,6 +6,7 @@
   with keys prefixed `model.`, layered over a base folder that supplies the config. Rolling
   Forcing's and Causal Forcing's keys may also carry FSDP's `_fsdp_wrapped_module.` (once per
   wrapped module, anywhere in the key), which their loaders remove, as `read_generator` does.
+- LongLive: such weights with a LoRA file merged into them at load (`lora.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .layout import (
     read_model_config,
     weight_files,
 )
+from .lora import merge_lora
 from .model import WanModel
 from .spec import CheckpointSpec
 
@@ -183,7 +185,9 @@ def load_wan_model(
 
     `spec.base`: a Wan or diffusers folder (see `layout.py`); a plain path means just that folder.
     With `spec.generator`, the `.pt` file's DiT (`generator_ema` if `spec.ema`) replaces the base
-    weights (it must be complete); the folder then only supplies the config.
+    weights (it must be complete); the folder then only supplies the config. With `spec.lora`,
+    that LoRA is merged into the weights (`lora.merge_lora`, in float32) before the cast to
+    `dtype`.
     """
     if not isinstance(spec, CheckpointSpec):
         spec = CheckpointSpec(base=str(spec))
@@ -201,6 +205,8 @@ def load_wan_model(
             state = {diffusers_to_wan_key(k): v for k, v in state.items()}
         source = str(spec.base)
     _check_keys(model, state, source)
+    if spec.lora is not None:
+        state = merge_lora(state, spec.lora, spec.lora_alpha)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

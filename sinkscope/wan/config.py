@@ -95,6 +95,29 @@ class WanConfig:
         head = d * self.out_dim * patch + self.out_dim * patch + 2 * d  # head, its modulation
         return self.num_layers * block + embed + head
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """The DiT's linear layers by parameter name (less `.weight`), with their weight shapes
+        [out, in]: what a LoRA may adapt (`lora_keys.py`), known without building the model."""
+        d = self.dim
+        shapes = {
+            "text_embedding.0": (d, self.text_dim),
+            "text_embedding.2": (d, d),
+            "time_embedding.0": (d, self.freq_dim),
+            "time_embedding.2": (d, d),
+            "time_projection.1": (6 * d, d),
+            "head.head": (
+                self.patch_size[0] * self.patch_size[1] * self.patch_size[2] * self.out_dim,
+                d,
+            ),
+        }
+        for i in range(self.num_layers):
+            for attention in ("self_attn", "cross_attn"):
+                for name in "qkvo":
+                    shapes[f"blocks.{i}.{attention}.{name}"] = (d, d)
+            shapes[f"blocks.{i}.ffn.0"] = (self.ffn_dim, d)
+            shapes[f"blocks.{i}.ffn.2"] = (d, self.ffn_dim)
+        return shapes
+
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> WanConfig:
         fields = {f.name for f in dataclasses.fields(cls)}

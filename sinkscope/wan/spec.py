@@ -21,11 +21,19 @@ from .layout import checkpoint_files
 class CheckpointSpec:
     """base: a Wan or diffusers folder (config.json, and the weights unless `generator` is set);
     generator: a Self-Forcing / CausVid `.pt` whose DiT replaces the base weights;
-    ema: take its `generator_ema` (True) or `generator` (False) entry."""
+    ema: take its `generator_ema` (True) or `generator` (False) entry;
+    lora: a LoRA file (LongLive's PEFT keys, `lora.py`) merged into those weights at load, with
+    lora_alpha: its alpha (scale alpha / rank; the files do not carry it)."""
 
     base: str
     generator: str | None = None
     ema: bool = True
+    lora: str | None = None
+    lora_alpha: float | None = None
+
+    def __post_init__(self):
+        if (self.lora is None) != (self.lora_alpha is None):
+            raise ValueError("lora and lora_alpha go together: the LoRA file carries no alpha")
 
     @classmethod
     def from_entry(cls, entry: Mapping) -> CheckpointSpec:
@@ -39,4 +47,5 @@ class CheckpointSpec:
 
     def files(self) -> list[Path]:
         """Every file whose bytes define the weights (see `layout.checkpoint_files`)."""
-        return checkpoint_files(self.base, self.generator)
+        files = checkpoint_files(self.base, self.generator)
+        return files if self.lora is None else [*files, Path(self.lora)]

@@ -20,6 +20,7 @@ from sinkscope.wan.layout import (
     is_diffusers,
     read_model_config,
 )
+from sinkscope.wan.lora_keys import lora_pairs, lora_shapes, torch_file_shapes
 
 from .entries import (
     DEMO_DIR,
@@ -28,6 +29,7 @@ from .entries import (
     is_demo_checkpoint,
     is_demo_encoder,
     merge_prompts_file,
+    model_config,
     prompt_embeddings,
     prompt_text,
     read_prompts_file,
@@ -180,6 +182,34 @@ def _config_json_problem(path: Path) -> str | None:
     return None
 
 
+def _lora_problem(config: dict, name: str, path: Path) -> str | None:
+    """What is wrong with checkpoint `name`'s LoRA file, from its keys and shapes against the
+    model's linears (a safetensors header, or a torch.save archive's pickle: no tensor is read;
+    a legacy pickle's shapes are checked when the job loads it)."""
+    if path.suffix == ".safetensors":
+        header, problem = safetensors_header(path)
+        if problem:
+            return problem
+        shapes = {k: tuple(v["shape"]) for k, v in header.items()}
+    else:
+        problem = torch_file_problem(path)
+        if problem:
+            return problem
+        try:
+            state = torch_file_shapes(path)
+            if state is None:
+                return None
+            shapes = lora_shapes(state, str(path))
+        except CheckpointError as err:
+            return str(err)
+    try:
+        linears = model_config(config, name).linear_shapes()
+        lora_pairs(shapes, linears, str(path))
+    except (CheckpointError, ConfigError) as err:
+        return str(err)
+    return None
+
+
 def _checkpoint_problems(config: dict) -> list[str]:
     """Missing or malformed files of every checkpoint entry (demo checkpoints are made later)."""
     demo_checkpoints = config.get("demo", {}).get("checkpoints", {})
@@ -187,15 +217,16 @@ def _checkpoint_problems(config: dict) -> list[str]:
     for name, entry in config["checkpoints"].items():
         key = f"checkpoints.{name}"
         if is_demo_checkpoint(config, name):
-            if "generator" in entry:
-                problems.append(f"{key}.generator: a demo checkpoint has no generator file")
+            for file_key in ("generator", "lora"):
+                if file_key in entry:
+                    problems.append(f"{key}.{file_key}: a demo checkpoint takes no {file_key} file")
             continue
         try:
             paths = [Path(path) for path in checkpoint_inputs(config, name)]
         except ConfigError as err:  # an unreadable shard index
             problems.append(str(err))
             continue
-        generator = entry.get("generator")
+        generator, lora = entry.get("generator"), entry.get("lora")
         for path in paths:
             if not path.is_file():
                 hint = (
@@ -206,7 +237,9 @@ def _checkpoint_problems(config: dict) -> list[str]:
                 )
                 problems.append(f"{key}: checkpoint file not found: {path}{hint}")
                 continue
-            if generator is not None and path == Path(generator):
+            if lora is not None and path == Path(lora):
+                problem, which = _lora_problem(config, name, path), "lora"
+            elif generator is not None and path == Path(generator):
                 problem, which = torch_file_problem(path), "generator"
             elif path.name == CONFIG_NAME:
                 problem, which = _config_json_problem(path), "base"
