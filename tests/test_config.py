@@ -144,7 +144,7 @@ def test_schema_refuses(change, message):
         ),
         (
             lambda c: c["checkpoints"]["demo_a"].update(generator="x.pt"),
-            "checkpoints.demo_a.generator: a demo checkpoint has no generator file",
+            "checkpoints.demo_a.generator: a demo checkpoint takes no generator file",
         ),
         (
             lambda c: c["closed_loop"].update(runs=[["demo_a", "fox"]]),
