@@ -11,13 +11,14 @@ frame; 21 frames in 7 blocks of 3; Self-Forcing's 4 steps and the cache pass), i
 GPU job runs (`dtype: auto`, bfloat16):
 1. the CUDA tests (`pytest -m "not workflow"` on the modules with CUDA paths);
 2. a plain rollout; the survey of all 30 layers x 5 passes (attention stores, as the survey job
-   writes them, the softmax reductions in `extraction/fused_softmax.py`'s kernels; then once
-   more on the torch path those replace, for comparison); the token capture of layer 0 at
-   pass 0 (token stores, as the extract job with `capture.token_passes: 0`). Targets: survey /
-   plain <= 2.0 (TIME_RATIO_TARGET), and each run's peak GPU memory
-   (`torch.cuda.max_memory_allocated`: tensors only, the CUDA context comes on top) within the
-   plan's estimate (`workflow.resources.gpu_memory_bytes`, which `snakemake -n` prints, its
-   1.5 GB allowance for the context included);
+   writes them, the softmax reductions in `extraction/fused_softmax.py`'s kernels; once more
+   with the reductions copied to the host but stored nowhere, which splits the survey's cost
+   into the device's part and the stores'; once more on the torch path the kernels replace);
+   the token capture of layer 0 at pass 0 (token stores, as the extract job with
+   `capture.token_passes: 0`). Targets: survey / plain <= 2.0 (TIME_RATIO_TARGET), and each
+   run's peak GPU memory (`torch.cuda.max_memory_allocated`: tensors only, the CUDA context
+   comes on top) within the plan's estimate (`workflow.resources.gpu_memory_bytes`, which
+   `snakemake -n` prints, its 1.5 GB allowance for the context included);
 3. bfloat16 against float32 at that width on the first --compare-layers layers: latents
    (relative L2 per frame) and the surveyed key_mass (largest absolute difference).
 
@@ -123,6 +124,30 @@ def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def discarding_writer():
+    """An AttentionStoreWriter that writes nothing: the capture still computes its reductions
+    and copies them to the host, so a survey with it, against the real one, splits the survey's
+    cost into the device and copy part and the stores' part (spread, compression, disk)."""
+    from sinkscope.extraction.store import AttentionStoreWriter
+
+    class DiscardingWriter(AttentionStoreWriter):
+        write_seconds = 0.0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def write_pooled(self, *args, **kwargs) -> None:
+            pass
+
+        def write_block(self, *args, **kwargs) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return DiscardingWriter
+
+
 def compile_kernels(model, geometry, device, dtype) -> None:
     """Compiles the survey's fused kernels for every key count it meets (Triton specialises
     integer arguments on their divisibility by 16), so no compile lands in a timed run."""
@@ -145,8 +170,9 @@ def timed_rollout(
     model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
 ):
     """(seconds, peak GPU bytes, latents) of one rollout, capturing `layers` into stores of kind
-    `store` under the folder `stores` when given (their writer threads' busy seconds, summed,
-    in WRITE_SECONDS[store])."""
+    `store` (`attention`, `tokens`, or `discarded`: attention reductions written nowhere) under
+    the folder `stores` when given (their writer threads' busy seconds, summed, in
+    WRITE_SECONDS[store])."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
@@ -154,7 +180,7 @@ def timed_rollout(
 
     cfg = model.config
     t = cfg.tokens_per_frame(geometry.latent_height, geometry.latent_width)
-    passes = resolve_passes("all" if store == "attention" else 0, len(SELF_FORCING.steps))
+    passes = resolve_passes(0 if store == "tokens" else "all", len(SELF_FORCING.steps))
     timesteps, kinds = SELF_FORCING.pass_timesteps(), SELF_FORCING.pass_kinds()
     common = {
         "num_heads": cfg.num_heads,
@@ -176,6 +202,8 @@ def timed_rollout(
                     writer = AttentionStoreWriter(
                         path, frames_per_block=geometry.frames_per_block, **common
                     )
+                elif store == "discarded":
+                    writer = discarding_writer()()
                 else:
                     writer = TokenStoreWriter(path, **common)
                 writers[layer] = stack.enter_context(writer)
@@ -332,6 +360,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
                     f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}; "
                     f"writers busy {WRITE_SECONDS['attention']:.1f} s in all",
+                )
+            )
+            discarded, _, _ = timed_rollout(
+                model, text, geometry, device, dtype, stores=folder, store="discarded",
+                layers=layers,
+            )
+            rows.add(
+                (
+                    "survey, reductions copied to the host but not stored",
+                    f"{discarded:.1f} s, {discarded / plain:.2f} x plain",
+                    f"the stores' share of the survey: {survey - discarded:.1f} s",
                 )
             )
             if device.type == "cuda" and not args.no_torch_survey:
