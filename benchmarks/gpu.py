@@ -363,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             discarded, _, _ = timed_rollout(
-                model, text, geometry, device, dtype, stores=folder, store="discarded",
+                model,
+                text,
+                geometry,
+                device,
+                dtype,
+                stores=folder,
+                store="discarded",
                 layers=layers,
             )
             rows.add(
