@@ -112,5 +112,8 @@ def test_the_capture_takes_the_fused_path_on_a_gpu_and_agrees_with_the_torch_pat
 def test_a_float32_model_keeps_the_torch_path():
     q = torch.zeros(4, 1, 16, device="cuda")
     assert fused_softmax.usable(q.bfloat16()) and not fused_softmax.usable(q)
+    assert not fused_softmax.usable(q.bfloat16(), q)  # float32 keys: the torch path too
     with pytest.raises(ValueError, match="float32"):
         fused_softmax.fused_reductions(q, q, 1.0, 1)
+    with pytest.raises(ValueError, match="one value per key"):
+        fused_softmax.fused_reductions(q.bfloat16(), q.bfloat16(), 1.0, 1, torch.zeros(4, 1))

@@ -262,7 +262,7 @@ class TopCKVCache(CacheEngine):
 
     def _score(self, q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
         """Each visible key's mean softmax probability over the queries q, per head."""
-        if fused_softmax.usable(q):  # as the survey's capture
+        if fused_softmax.usable(q, keys):  # as the survey's capture
             key_mass, _ = fused_softmax.fused_reductions(q[0], keys[0], self.scale, frames=1)
             return key_mass[:, 0].cpu().numpy()
         rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None

@@ -202,7 +202,7 @@ class LogitCapture:
         frames] of the call's queries q [n, heads, D] against its keys k [M, heads, D]."""
         t = self.frame_seq_length
         heads, frames = q.shape[1], q.shape[0] // t
-        if fused_softmax.usable(q):
+        if fused_softmax.usable(q, k):
             key_mass, row_entropy = fused_softmax.fused_reductions(q, k, self.scale, frames, bias)
             entropy = row_entropy.mean(dim=-1)
         else:

@@ -152,12 +152,13 @@ def _kernels():
     return triton, row_stats, key_mass
 
 
-def usable(q: torch.Tensor) -> bool:
-    """Whether the fused kernels run for q: a bfloat16 or float16 CUDA tensor where Triton is
-    installed, unless SINKSCOPE_FUSED_SOFTMAX=0 turns them off."""
+def usable(q: torch.Tensor, k: torch.Tensor | None = None) -> bool:
+    """Whether the fused kernels run for q (and k): bfloat16 or float16 CUDA tensors of one
+    dtype where Triton is installed, unless SINKSCOPE_FUSED_SOFTMAX=0 turns them off."""
     if os.environ.get("SINKSCOPE_FUSED_SOFTMAX", "1") == "0":
         return False
-    return q.is_cuda and q.dtype in DTYPES and _kernels() is not None
+    same = k is None or k.dtype == q.dtype
+    return q.is_cuda and q.dtype in DTYPES and same and _kernels() is not None
 
 
 def fused_reductions(
@@ -181,6 +182,8 @@ def fused_reductions(
     if total % frames or k.shape[1:] != (heads, head_dim):
         raise ValueError(f"q {tuple(q.shape)} in {frames} frames against k {tuple(k.shape)}")
     rows, keys = total // frames, k.shape[0]
+    if bias is not None and tuple(bias.shape) != (keys,):
+        raise ValueError(f"bias {tuple(bias.shape)}: one value per key ({keys}) expected")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     groups = heads * frames
