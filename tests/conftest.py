@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
+
+# Write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (this project's machines set
+# it): every worker and every job subprocess the tests start would otherwise compile sinkscope
+# and rewrite the test modules anew (~4 s of each worker's collection); they read the caches
+# written here. __pycache__/ is git-ignored.
+sys.dont_write_bytecode = False
 
 # One thread per pytest-xdist worker for torch, BLAS and the compressors (set before they load):
 # two workers of two threads each on two cores spend their time waiting for each other.
