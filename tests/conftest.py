@@ -5,12 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-# Write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (this project's machines set
-# it): every worker and every job subprocess the tests start would otherwise compile sinkscope
-# and rewrite the test modules anew (~4 s of each worker's collection); they read the caches
-# written here. __pycache__/ is git-ignored.
-sys.dont_write_bytecode = False
-
 # One thread per pytest-xdist worker for torch, BLAS and the compressors (set before they load):
 # two workers of two threads each on two cores spend their time waiting for each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -24,6 +18,12 @@ import torch
 from sinkscope.extraction.sampling import Geometry
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
+
+# Write bytecode caches even where PYTHONDONTWRITEBYTECODE is set (this project's machines set
+# it): every worker and every job subprocess the tests start would otherwise compile sinkscope
+# and rewrite the test modules anew (~4 s of each worker's collection); they read the caches
+# written here. __pycache__/ is git-ignored.
+sys.dont_write_bytecode = False
 
 # head_dim 16: RoPE channels 8 (frame) / 4 (height) / 4 (width).
 TINY = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, freq_dim=16, text_dim=8, text_len=8)
