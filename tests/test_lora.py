@@ -18,6 +18,7 @@ from sinkscope.wan.checkpoint import CheckpointError, load_wan_model, save_wan_m
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.demo import DEMO_MODEL
 from sinkscope.wan.lora_keys import PEFT_PREFIX, lora_shapes, torch_file_shapes
+from sinkscope.wan.model import WanModel
 from sinkscope.wan.spec import CheckpointSpec
 from sinkscope.workflow.entries import ConfigError
 from sinkscope.workflow.params import extraction_settings
@@ -236,3 +237,17 @@ def test_shapes_of_a_torch_file_without_torch_match_torch_load(tmp_path):
 class Opaque:
     """A pickled object of a class: the shape reader refuses its global, as torch's
     weights_only loader does."""
+
+
+@pytest.mark.parametrize("cfg", [DEMO, WanConfig()], ids=["demo", "1.3B"])
+def test_the_linears_known_from_the_config_are_the_models(cfg):
+    """What the checks before any job take for the model's linears (no model is built there)
+    against the model's own 2-D weights."""
+    with torch.device("meta"):
+        model = WanModel(cfg)
+    linears = {
+        name.removesuffix(".weight"): tuple(param.shape)
+        for name, param in model.named_parameters()
+        if name.endswith(".weight") and param.dim() == 2
+    }
+    assert cfg.linear_shapes() == linears
