@@ -22,8 +22,7 @@ from sinkscope.cache_choices import KEY_KIND, DeepSinkTurns, ParticipativeChoice
 from sinkscope.wan.model import CacheEngine, KVCache
 from sinkscope.wan.rope import apply_rope, rope_angles, rotate_frames
 
-from . import fused_softmax
-from .capture import CPU_SOFTMAX_ROWS, softmax_reductions
+from .capture import frame_reductions
 
 TURNS = ("delta", "rerope")
 
@@ -261,21 +260,10 @@ class TopCKVCache(CacheEngine):
         return positions, kinds
 
     def _score(self, q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
-        """Each visible key's mean softmax probability over the queries q, per head."""
-        if fused_softmax.usable(q, keys):  # as the survey's capture
-            key_mass, _ = fused_softmax.fused_reductions(q[0], keys[0], self.scale, frames=1)
-            return key_mass[:, 0].cpu().numpy()
-        rows = CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None
-        return (
-            torch.stack(
-                [
-                    softmax_reductions(q[0, :, head], keys[0, :, head], self.scale, rows)[0]
-                    for head in range(self.choice.num_heads)
-                ]
-            )
-            .cpu()
-            .numpy()
-        )
+        """Each visible key's mean softmax probability over the queries q, per head, as the
+        survey's capture computes it."""
+        key_mass, _ = frame_reductions(q[0], keys[0], self.scale, frames=1)
+        return key_mass[:, 0].cpu().numpy()
 
     def begin_pass(self, kind: str) -> None:
         # top_c chooses by the attention of each block's cache-update pass.

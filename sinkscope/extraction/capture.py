@@ -71,6 +71,35 @@ def softmax_reductions(
     return key_mass.div_(rows), entropy
 
 
+def frame_reductions(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    frames: int,
+    bias: torch.Tensor | None = None,
+    row_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """key_mass [heads, frames, M] and mean row entropy [heads, frames], float32, of queries q
+    [frames * T, heads, D] against keys k [M, heads, D]: `fused_softmax`'s kernels where they run
+    (a 16-bit model on a GPU), else `softmax_reductions` per (head, query frame) tile,
+    `row_chunk` rows at a time (None: CPU_SOFTMAX_ROWS on the CPU, a whole tile on a GPU)."""
+    if fused_softmax.usable(q, k):
+        key_mass, row_entropy = fused_softmax.fused_reductions(q, k, scale, frames, bias)
+        return key_mass, row_entropy.mean(dim=-1)
+    rows = row_chunk or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
+    t, heads = q.shape[0] // frames, q.shape[1]
+    key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
+    entropy = torch.empty((heads, frames), device=q.device)
+    for head in range(heads):
+        k_head = k[:, head].float()
+        for frame in range(frames):
+            q_frame = q[frame * t : (frame + 1) * t, head]
+            mass, row_entropy = softmax_reductions(q_frame, k_head, scale, rows, bias)
+            key_mass[head, frame] = mass
+            entropy[head, frame] = row_entropy.mean()
+    return key_mass, entropy
+
+
 def key_versions(call: ModelCall, key_frames: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
     """Which copy of its frame each key of `call` is (`sinkscope.schedules.KEY_VERSIONS`), from
     its latent frame and its kind (`cache_choices.KEY_KIND`), shaped as they are: the frames the
@@ -201,21 +230,8 @@ class LogitCapture:
         """key_mass and key_logit_mean [heads, query frames, keys] and entropy [heads, query
         frames] of the call's queries q [n, heads, D] against its keys k [M, heads, D]."""
         t = self.frame_seq_length
-        heads, frames = q.shape[1], q.shape[0] // t
-        if fused_softmax.usable(q, k):
-            key_mass, row_entropy = fused_softmax.fused_reductions(q, k, self.scale, frames, bias)
-            entropy = row_entropy.mean(dim=-1)
-        else:
-            rows = self.softmax_rows or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
-            key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
-            entropy = torch.empty((heads, frames), device=q.device)
-            for head in range(heads):
-                k_head = k[:, head].float()
-                for frame in range(frames):
-                    q_frame = q[frame * t : (frame + 1) * t, head]
-                    mass, row_entropy = softmax_reductions(q_frame, k_head, self.scale, rows, bias)
-                    key_mass[head, frame] = mass
-                    entropy[head, frame] = row_entropy.mean()
+        frames = q.shape[0] // t
+        key_mass, entropy = frame_reductions(q, k, self.scale, frames, bias, self.softmax_rows)
         # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
         # (the mean in float64, the products in float32 like the softmax's), bias included.
         q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1).float()
