@@ -206,7 +206,7 @@ def load_wan_model(
         source = str(spec.base)
     _check_keys(model, state, source)
     if spec.lora is not None:
-        state = merge_lora(state, spec.lora, spec.lora_alpha)
+        state = merge_lora(state, spec.lora, spec.lora_alpha, cfg.linear_shapes())
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .layout import CheckpointError
-from .lora_keys import LORA_ENTRY, lora_pairs
+from .lora_keys import lora_entry, lora_pairs
 
 
 def read_lora_state(path: str | Path) -> dict[str, torch.Tensor]:
@@ -27,37 +27,21 @@ def read_lora_state(path: str | Path) -> dict[str, torch.Tensor]:
         state = load_pickled(path)
     except FileNotFoundError:
         raise CheckpointError(f"LoRA file not found: {path}") from None
-    if isinstance(state, dict) and LORA_ENTRY in state:
-        state = state[LORA_ENTRY]
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise CheckpointError(
-            f"{path}: not a LoRA state dict (name -> tensor), bare or under '{LORA_ENTRY}'"
-        )
-    return state
-
-
-def linear_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """The linear layers of a DiT state dict (a `<name>.weight` matrix beside `<name>.bias`),
-    with their weight shapes [out, in]."""
-    return {
-        key.removesuffix(".weight"): tuple(tensor.shape)
-        for key, tensor in state.items()
-        if key.endswith(".weight")
-        and tensor.dim() == 2
-        and f"{key.removesuffix('.weight')}.bias" in state
-    }
+    return lora_entry(state, str(path), lambda value: isinstance(value, torch.Tensor))
 
 
 def merge_lora(
-    state: dict[str, torch.Tensor], path: str | Path, alpha: float
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    alpha: float,
+    linears: dict[str, tuple[int, int]],
 ) -> dict[str, torch.Tensor]:
-    """`state` with the LoRA of `path` merged into it (a new dict; `state` is unchanged)."""
+    """`state` with the LoRA of `path` merged into it (a new dict; `state` is unchanged);
+    `linears`: the model's linears, `WanConfig.linear_shapes()`."""
     lora = read_lora_state(path)
     shapes = {key: tuple(tensor.shape) for key, tensor in lora.items()}
     merged = dict(state)
-    for pair in lora_pairs(shapes, linear_shapes(state), str(path)):
+    for pair in lora_pairs(shapes, linears, str(path)):
         weight = state[f"{pair.module}.weight"]
         up, down = (lora[key].to(weight.device, torch.float32) for key in pair.keys)
         delta = (alpha / pair.rank) * (up @ down)

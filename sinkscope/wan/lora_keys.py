@@ -19,6 +19,7 @@ import collections
 import pickle
 import re
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -165,15 +166,24 @@ def torch_file_shapes(path: Path) -> object | None:
                 raise CheckpointError(f"{path}: cannot read its tensor shapes ({err})") from None
 
 
-def lora_shapes(state: object, source: str) -> dict[str, tuple[int, ...]]:
-    """key -> shape of a LoRA state dict read by `torch_file_shapes` (bare or under
-    `generator_lora`)."""
+def lora_entry(
+    state: object, source: str, is_tensor: Callable[[object], bool]
+) -> dict[str, object]:
+    """The LoRA state dict of what a file holds: bare or under `generator_lora`, names to
+    values that `is_tensor` accepts (tensors for the loader, shapes for the checks)."""
     if isinstance(state, dict) and LORA_ENTRY in state:
         state = state[LORA_ENTRY]
     if not isinstance(state, dict) or not all(
-        isinstance(k, str) and hasattr(v, "shape") for k, v in state.items()
+        isinstance(k, str) and is_tensor(v) for k, v in state.items()
     ):
         raise CheckpointError(
             f"{source}: not a LoRA state dict (name -> tensor), bare or under '{LORA_ENTRY}'"
         )
-    return {key: tuple(value.shape) for key, value in state.items()}
+    return state
+
+
+def lora_shapes(state: object, source: str) -> dict[str, tuple[int, ...]]:
+    """key -> shape of a LoRA state dict read by `torch_file_shapes` (bare or under
+    `generator_lora`)."""
+    entry = lora_entry(state, source, lambda value: isinstance(value, _TensorShape))
+    return {key: value.shape for key, value in entry.items()}
