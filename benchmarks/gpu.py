@@ -37,6 +37,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
 
 import torch
 import yaml
@@ -77,7 +79,6 @@ SMOKE = {
 }
 # As the embedded default captures (`layers: [0]`): 12 heads of pass 0 are 14.7 GB of float16.
 TOKEN_LAYERS = [0]
-WRITE_SECONDS: dict[str, float] = {}
 
 
 def plan_config(scale: dict, dtype: str) -> dict:
@@ -133,7 +134,7 @@ def discarding_writer():
     class DiscardingWriter(AttentionStoreWriter):
         write_seconds = 0.0
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self):
             pass
 
         def write_pooled(self, *args, **kwargs) -> None:
@@ -145,7 +146,7 @@ def discarding_writer():
         def close(self) -> None:
             pass
 
-    return DiscardingWriter
+    return DiscardingWriter()
 
 
 def compile_kernels(model, geometry, device, dtype) -> None:
@@ -166,13 +167,21 @@ def compile_kernels(model, geometry, device, dtype) -> None:
     synchronize(device)
 
 
+class Timed(NamedTuple):
+    """One timed rollout: wall seconds (stores closed), peak GPU bytes, the latents, and the
+    seconds its store writer threads were busy, summed."""
+
+    seconds: float
+    peak: int
+    latents: torch.Tensor
+    write_seconds: float
+
+
 def timed_rollout(
     model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
 ):
-    """(seconds, peak GPU bytes, latents) of one rollout, capturing `layers` into stores of kind
-    `store` (`attention`, `tokens`, or `discarded`: attention reductions written nowhere) under
-    the folder `stores` when given (their writer threads' busy seconds, summed, in
-    WRITE_SECONDS[store])."""
+    """One rollout, capturing `layers` into stores of kind `store` (`attention`, `tokens`, or
+    `discarded`: attention reductions written nowhere) under the folder `stores` when given."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
@@ -203,7 +212,7 @@ def timed_rollout(
                         path, frames_per_block=geometry.frames_per_block, **common
                     )
                 elif store == "discarded":
-                    writer = discarding_writer()()
+                    writer = discarding_writer()
                 else:
                     writer = TokenStoreWriter(path, **common)
                 writers[layer] = stack.enter_context(writer)
@@ -225,8 +234,8 @@ def timed_rollout(
             model.set_capture(None)
         synchronize(device)
     seconds = time.perf_counter() - started  # the writers closed: everything on disk
-    WRITE_SECONDS[store] = sum(writer.write_seconds for writer in writers.values())
-    return seconds, peak(device), latents
+    write_seconds = sum(writer.write_seconds for writer in writers.values())
+    return Timed(seconds, peak(device), latents, write_seconds)
 
 
 def cuda_tests() -> str:
@@ -257,9 +266,9 @@ def compare_dtypes(scale: dict, device: torch.device, layers: int, folder: Path)
         model, text, geometry = build(scale, device, dtype, layers)
         stores = folder / name
         stores.mkdir()
-        _, _, latents = timed_rollout(
+        latents = timed_rollout(
             model, text, geometry, device, dtype, stores=stores, layers=range(layers)
-        )
+        ).latents
         mass = [
             xr.open_zarr(stores / f"attention{layer}.zarr").key_mass.values
             for layer in range(layers)
@@ -286,23 +295,20 @@ class Table(list):
         print(self.line(row), flush=True)
 
 
+@contextlib.contextmanager
 def stage(name: str):
     """Prints when a stage starts and ends (a first GPU run is watched live), and turns a failure
-    into the stage's error so the other stages still run and the table still prints."""
-
-    @contextlib.contextmanager
-    def guard():
-        started = time.perf_counter()
-        print(f"[gpu.py] {name} ...", flush=True)
-        result = {"error": None}
-        try:
-            yield result
-        except Exception as error:  # reported in the table; traceback above it
-            traceback.print_exc()
-            result["error"] = f"FAILED: {type(error).__name__}: {str(error)[:160]}"
-        print(f"[gpu.py] {name}: {time.perf_counter() - started:.1f} s", flush=True)
-
-    return guard()
+    into the stage's error (the yielded dict's "error") so the other stages still run and the
+    table still prints."""
+    started = time.perf_counter()
+    print(f"[gpu.py] {name} ...", flush=True)
+    result = {"error": None}
+    try:
+        yield result
+    except Exception as error:  # reported in the table; traceback above it
+        traceback.print_exc()
+        result["error"] = f"FAILED: {type(error).__name__}: {str(error)[:160]}"
+    print(f"[gpu.py] {name}: {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,12 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             layers = list(range(model.config.num_layers))
             timed_rollout(model, text, geometry, device, dtype)  # warm-up: kernels, allocator
             compile_kernels(model, geometry, device, dtype)
-            plain, plain_peak, _ = timed_rollout(model, text, geometry, device, dtype)
+            plain, plain_peak, *_ = timed_rollout(model, text, geometry, device, dtype)
             rows.add(("plain bf16 rollout", f"{plain:.1f} s", f"peak {plain_peak / gb:.2f} GB"))
             survey_dir, token_dir = folder / "survey", folder / "tokens"
             survey_dir.mkdir()
             token_dir.mkdir()
-            survey, survey_peak, _ = timed_rollout(
+            survey, survey_peak, _, survey_writers = timed_rollout(
                 model, text, geometry, device, dtype, stores=survey_dir, layers=layers
             )
             ratio = survey / plain
@@ -359,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                     f" {'met' if ratio <= TIME_RATIO_TARGET else 'MISSED'}",
                     f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
                     f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}; "
-                    f"writers busy {WRITE_SECONDS['attention']:.1f} s in all",
+                    f"writers busy {survey_writers:.1f} s in all",
                 )
             )
-            discarded, _, _ = timed_rollout(
+            discarded = timed_rollout(
                 model,
                 text,
                 geometry,
@@ -371,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 stores=folder,
                 store="discarded",
                 layers=layers,
-            )
+            ).seconds
             rows.add(
                 (
                     "survey, reductions copied to the host but not stored",
@@ -381,10 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if device.type == "cuda" and not args.no_torch_survey:
                 # The same survey on the torch path the fused kernels replace on a GPU.
-                os.environ["SINKSCOPE_FUSED_SOFTMAX"] = "0"
-                try:
+                with mock.patch.dict(os.environ, {"SINKSCOPE_FUSED_SOFTMAX": "0"}):
                     (folder / "survey_torch").mkdir()
-                    torch_survey, _, _ = timed_rollout(
+                    torch_survey = timed_rollout(
                         model,
                         text,
                         geometry,
@@ -392,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                         dtype,
                         stores=folder / "survey_torch",
                         layers=layers,
-                    )
-                finally:
-                    del os.environ["SINKSCOPE_FUSED_SOFTMAX"]
+                    ).seconds
                 rows.add(
                     (
                         "survey, torch reductions (SINKSCOPE_FUSED_SOFTMAX=0)",
@@ -403,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             token_layers = [layer for layer in TOKEN_LAYERS if layer < len(layers)]
-            tokens, token_peak, _ = timed_rollout(
+            tokens, token_peak, _, token_writer = timed_rollout(
                 model,
                 text,
                 geometry,
@@ -419,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
                     f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
                     f"{'within' if token_peak <= estimate['extract'] else 'OVER'}; "
-                    f"writer busy {WRITE_SECONDS['tokens']:.1f} s",
+                    f"writer busy {token_writer:.1f} s",
                 )
             )
         if rollouts["error"]:
