@@ -92,6 +92,13 @@ rule closed_loop_summary:
             subcategory="closed loop",
             labels={"table": "collapse diagnostics (csv)"},
         ),
+        switches=report(
+            "results/closed_loop/switches.csv",
+            caption="../report/closed_loop_switches_table.rst",
+            category="KV-cache policies",
+            subcategory="closed loop",
+            labels={"table": "switches (csv)"},
+        ),
         figures=[
             report(
                 figure.path,

@@ -30,6 +30,7 @@ from sinkscope.workflow.params import (
     extraction_settings,
     prompt_encoder,
     prompt_inputs,
+    prompt_segment_params,
 )
 from sinkscope.workflow.resources import (
     POLICIES_MINUTES,

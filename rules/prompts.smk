@@ -16,6 +16,7 @@ rule encode_prompt:
         mem_mb=lambda wildcards: encode_mem_mb(config, wildcards.prompt),
     params:
         text=lambda wildcards: prompt_text(config, wildcards.prompt),
+        segments=lambda wildcards: prompt_segment_params(config, wildcards.prompt),
         encoder=lambda wildcards: prompt_encoder(config, wildcards.prompt),
         device=config["device"],
         dtype=config["dtype"],

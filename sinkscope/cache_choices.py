@@ -62,6 +62,10 @@ CLOSED_LOOP_POLICIES = (
 )
 # Caches that hold whole frames: attention inside their rollouts can be captured.
 FRAME_POLICIES = ("full", "window", "sink_window", "deep_sink", *POSITION_POLICIES)
+# At a prompt switch: LongLive's recache runs on Self-Forcing's own cache (its window and sinks,
+# LongLive's cache), Infinity-RoPE's cut where positions are relative to the window.
+RECACHE_POLICIES = ("full", "window", "sink_window")
+CUT_POLICIES = ("relative",)
 # Participative Compression, its sinks kept (participative) or turned (deep_forcing).
 PARTICIPATIVE_POLICIES = ("participative", "deep_forcing")
 # Policies that keep S sink frames, and those among them that turn their keys.

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 SAMPLER_KINDS = ("self_forcing", "rolling")
+CALL_KINDS = ("denoise", "cache", "recache")
 
 # Rolling Forcing's cache, hard-coded in its model: the anchor (block 0's keys, stored without
 # RoPE) and the 21 newest clean frames, 24 frames in all; a call attends to at most 21 frames.
@@ -86,11 +87,16 @@ class BlockPart:
 
 @dataclass(frozen=True)
 class ModelCall:
-    """One model call: `denoise` (every part at a step) or `cache` (a clean pass at t = 0); the
-    parts are the blocks queried, oldest first, over contiguous frames."""
+    """One model call: `denoise` (every part at a step), `cache` (a clean pass at t = 0) or
+    `recache` (LongLive's clean pass at t = 0 over frames already generated, under a new prompt);
+    the parts are the frames queried, oldest first, over contiguous frames. `segment`: the prompt
+    segment whose text the call reads; `rope_cut`: Infinity-RoPE's cut, the RoPE position of the
+    call's first query frame (None: the cache's own)."""
 
     kind: str
     parts: tuple[BlockPart, ...]
+    segment: int = 0
+    rope_cut: int | None = None
 
     @property
     def start(self) -> int:
@@ -284,3 +290,50 @@ def key_frames_of(runs: Sequence[KeyRun]) -> list[tuple[int, str, int]]:
         for run in runs
         for i in range(run.frames)
     ]
+
+
+def with_switches(
+    calls: Sequence[ModelCall],
+    block_sizes: Sequence[int],
+    switches: Sequence[int],
+    *,
+    recache_frames: int | None = None,
+    recache_slot: int | None = None,
+    cuts: Sequence[int | None] = (),
+) -> list[ModelCall]:
+    """Self-Forcing's `calls` under a prompt schedule: every call of the block starting at or
+    after switch i (a block start) reads segment i + 1; with `recache_frames` (LongLive's
+    recache: the window B, -1 for every frame) a `recache` call before the first call of each
+    switch's block c re-encodes the clean frames c - n .. c - 1, n = min(B, c), split by block,
+    on the pass axis' `recache_slot`; `cuts[i]` (Infinity-RoPE's `#`): every call of that block
+    sits at RoPE position cuts[i]."""
+    starts = block_starts_of(block_sizes)
+    ends = [start + size for start, size in zip(starts, block_sizes, strict=True)]
+    if any(switch not in starts or switch == 0 for switch in switches):
+        raise ValueError(f"switches {list(switches)} must be block starts after 0 ({starts})")
+    if list(switches) != sorted(set(switches)):
+        raise ValueError(f"switches {list(switches)} must rise, at most one per block")
+    cut_at = {switch: cut for switch, cut in zip(switches, cuts, strict=False) if cut is not None}
+    out: list[ModelCall] = []
+    seen: set[int] = set()
+    for call in calls:
+        if len(call.parts) != 1:
+            raise ValueError("prompt switches run on Self-Forcing's calls of one block")
+        start = call.start
+        segment = sum(1 for switch in switches if switch <= start)
+        if start in switches and start not in seen and recache_frames is not None:
+            out.append(_recache_call(starts, ends, start, recache_frames, recache_slot, segment))
+        seen.add(start)
+        out.append(ModelCall(call.kind, call.parts, segment, cut_at.get(start)))
+    return out
+
+
+def _recache_call(starts, ends, switch, recache_frames, slot, segment) -> ModelCall:
+    n = switch if recache_frames == -1 else min(recache_frames, switch)
+    first = switch - n
+    parts = []
+    for block, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        lo, hi = max(start, first), min(end, switch)
+        if lo < hi:
+            parts.append(BlockPart(block, lo, hi - lo, None, slot))
+    return ModelCall("recache", tuple(parts), segment)

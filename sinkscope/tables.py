@@ -29,6 +29,7 @@ BLOCK_POSITION_COLUMNS = [
     "frames",
     "query_position",
     "sink_position",
+    "segment",  # the prompt segment whose text the block read (0 for a plain prompt)
 ]
 # The reference-free collapse diagnostics of the closed loop (`results/closed_loop/blocks.csv`,
 # `sinkscope.analysis.diagnostics`): one row per (rollout, block, captured layer, captured pass),
@@ -40,6 +41,7 @@ BLOCK_DIAGNOSTIC_COLUMNS = [
     "block",
     "first_frame",
     "frames",
+    "segment",
     "sink_distance",
     "phase_concentration",
     "layer",
@@ -47,4 +49,25 @@ BLOCK_DIAGNOSTIC_COLUMNS = [
     "timestep",
     "pass_kind",
     "sink_share",
+]
+# What changes at a prompt switch (`results/closed_loop/switches.csv`,
+# `sinkscope.analysis.switches`): one row per (rollout, captured layer, captured pass, head, query
+# block) the pass captured: the block's prompt `segment`, `frames_since_switch` (its first frame
+# minus the latest switch at or before it; empty before the first), and the mean over its query
+# frames of the mass on the keys the cache labels `sink` (`sink_mass`) and `own` (`own_mass`: the
+# block's own frames; in a recache pass the frames re-encoded).
+SWITCH_COLUMNS = [
+    *CLOSED_LOOP_RUN_KEYS,
+    "layer",
+    "step",
+    "timestep",
+    "pass_kind",
+    "head",
+    "block",
+    "first_frame",
+    "frames",
+    "segment",
+    "frames_since_switch",
+    "sink_mass",
+    "own_mass",
 ]

@@ -23,6 +23,7 @@ from sinkscope.analysis.plots.closed_loop import (
     plot_closed_loop_recall,
 )
 from sinkscope.analysis.plots.render import builder_of
+from sinkscope.analysis.switches import read_switch_table, write_switch_table
 from sinkscope.diagnostics import phase_concentration
 from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
@@ -143,6 +144,7 @@ def write_block_positions(frame_paths: list[Path]) -> list[Path]:
         blocks["query_position"] = blocks["first_frame"]
         turned = (blocks["policy"] == "deep_sink") & (blocks["block"] >= 2)
         blocks["sink_position"] = np.where(turned, BLOCK, 0)
+        blocks["segment"] = 0
         out = path.with_name(path.stem + ".blocks.csv")
         blocks[BLOCK_POSITION_COLUMNS].to_csv(out, index=False)
         paths.append(out)
@@ -392,11 +394,13 @@ def test_closed_loop_file_names_round_trip():
         "results/figures/closed_loop/closed_loop_deviation.svg",
         "results/figures/closed_loop/closed_loop_recall_deviation.svg",
         "results/figures/closed_loop/closed_loop_collapse.svg",
+        "results/figures/closed_loop/closed_loop_switches.svg",
     ]
     assert [f.kind.caption for f in files] == [
         "closed_loop_deviation.rst",
         "closed_loop_recall.rst",
         "closed_loop_collapse.rst",
+        "closed_loop_switches.rst",
     ]
     for f in files:
         assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
@@ -660,6 +664,7 @@ def test_collapse_candidates_are_marked_where_the_rule_puts_them():
                 f,
                 f,
                 1,
+                int(f >= 120),  # the prompt switches at frame 120
                 distance[f],
                 phase_concentration([f], 0),
                 pd.NA,
@@ -681,7 +686,14 @@ def test_collapse_candidates_are_marked_where_the_rule_puts_them():
     assert (marker.get_xdata().tolist(), marker.get_ydata().tolist()) == ([151], [0.3])
     assert "demo" not in fig.get_suptitle()  # titles off: the caption names the run
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["sink-distance dip ≤ 0.5", "phase maximum", "training length (21 frames)"]
+    assert texts == [
+        "sink-distance dip ≤ 0.5",
+        "phase maximum",
+        "training length (21 frames)",
+        "prompt switch",
+    ]
+    for ax in (distance_ax, share_ax, phase_ax):
+        assert [ln.get_xdata()[0] for ln in ax.lines if ln.get_label() == "_switch"] == [120]
 
 
 # --------------------------------------------------------------------------------------------
@@ -694,6 +706,8 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     summary = tmp_path / "summary.csv"
     closed_loop.write_closed_loop_summary(deviation_paths, recall_paths, summary, TRAIN_FRAMES)
     blocks = write_block_table(tmp_path, deviation_paths)
+    switches = tmp_path / "switches.csv"
+    write_switch_table(write_block_positions(deviation_paths), [], switches)
     written = {}
     for run in ("a", "b"):
         outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
@@ -706,6 +720,7 @@ def test_render_closed_loop_figures(tmp_path, fmt):
             deviation_tables=deviation_paths,
             closed_loop_summary=summary,
             closed_loop_blocks=blocks,
+            closed_loop_switches=switches,
             train_frames=TRAIN_FRAMES,
         )
         assert [str(p) for p in paths] == outputs
@@ -746,6 +761,7 @@ def test_bad_closed_loop_renders_fail_before_writing(tmp_path):
             },
             "train_frames",
         ),
+        ({"deviation_tables": deviation_paths, "closed_loop_summary": summary}, "switch table"),
     ]
     for options, message in requests:
         options = {"closed_loop_blocks": blocks, **options} if "block" not in message else options
@@ -763,6 +779,7 @@ def test_closed_loop_summary_script(tmp_path):
     out = tmp_path / "results"
     summary = str(out / "closed_loop" / "summary.csv")
     blocks = str(out / "closed_loop" / "blocks.csv")
+    switches = str(out / "closed_loop" / "switches.csv")
     figure_files = [f.path for f in figures.closed_loop_figures(str(out / "figures"), "svg")]
     snakemake = SimpleNamespace(
         input=Named(
@@ -771,7 +788,7 @@ def test_closed_loop_summary_script(tmp_path):
             stores=[],
             policies=[str(p) for p in recall_paths],
         ),
-        output=Named(summary=[summary], blocks=[blocks], figures=figure_files),
+        output=Named(summary=[summary], blocks=[blocks], switches=[switches], figures=figure_files),
         log=Named([str(tmp_path / "summary.log")]),
         params=Named(
             train_frames=TRAIN_FRAMES,
@@ -782,6 +799,7 @@ def test_closed_loop_summary_script(tmp_path):
     )
     snakemake.output.summary = summary  # Snakemake names a single file by its path
     snakemake.output.blocks = blocks
+    snakemake.output.switches = switches
     runpy.run_path(
         str(REPO / "scripts" / "closed_loop_summary.py"), init_globals={"snakemake": snakemake}
     )
@@ -790,6 +808,7 @@ def test_closed_loop_summary_script(tmp_path):
     block_table = diagnostics.read_block_diagnostics(blocks)
     assert len(block_table) == len(RUNS) * len(LOOP_POLICIES) * FRAMES // BLOCK
     assert block_table["sink_share"].isna().all()  # no stores captured
+    assert read_switch_table(switches).empty  # nor a switch table
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
         Path(p).name for p in figure_files
     )

@@ -204,7 +204,10 @@ def write_tables(folder: Path, name: str, seed: int) -> tuple[Path, Path, pd.Dat
     )
     frames.to_csv(run / f"{name}.csv", index=False)
     blocks = pd.DataFrame(
-        [(*RUN, *keys, b, b * BLOCK, BLOCK, queries[b], sinks[b]) for b in range(FRAMES // BLOCK)],
+        [
+            (*RUN, *keys, b, b * BLOCK, BLOCK, queries[b], sinks[b], 0)
+            for b in range(FRAMES // BLOCK)
+        ],
         columns=BLOCK_POSITION_COLUMNS,
     )
     blocks.to_csv(run / f"{name}.blocks.csv", index=False)

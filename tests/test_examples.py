@@ -14,6 +14,7 @@ from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
 from sinkscope.wan.text import make_demo_text_encoder, wan_umt5_key_map
 
+from .test_lora import random_lora
 from .workflowtools import REPO, copy_workflow, planned_jobs, snakemake
 
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
@@ -96,6 +97,12 @@ def _write_self_forcing_layout(root) -> None:
     for seed, (path, entry) in enumerate(CAUSAL_FORCING.items(), start=7):
         (checkpoints / path).parent.mkdir(parents=True, exist_ok=True)
         torch.save({entry: state(seed)}, checkpoints / path)
+    # LongLive's base and its LoRA (PEFT keys under generator_lora), Infinite-Forcing's EMA.
+    longlive = root / "longlive_models" / "models"
+    longlive.mkdir(parents=True)
+    torch.save({"generator": state(13)}, longlive / "longlive_base.pt")
+    torch.save({"generator_lora": random_lora(EXAMPLE_MODEL, rank=2)}, longlive / "lora.pt")
+    torch.save({"generator_ema": state(14)}, checkpoints / "ema_model.pt")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +127,8 @@ def example_root(tmp_path_factory):
         ("causal_forcing_1step", {"causal_forcing_1step"}, {"eagle"}, (0, 4)),
         ("causal_forcing_2step", {"causal_forcing_2step"}, {"eagle"}, (0, 4)),
         ("causal_forcing_long", {"causal_forcing_long"}, {"eagle"}, ()),
+        ("longlive", {"longlive"}, {"boy"}, ()),
+        ("infinity_rope", {"infinite_forcing"}, {"barbie"}, ()),
     ],
 )
 def test_examples_plan_their_jobs(example_root, example, checkpoints, prompts, layers):
@@ -175,6 +184,35 @@ def test_long_video_example_plans_a_closed_loop_past_the_rope_table(example_root
     said = result.stdout + result.stderr
     assert "closed_loop.reference: full at closed_loop.num_frames=1002" in said
     assert "closed_loop.gpu_memory_gb=0.01: set closed_loop.reference: none" in said
+
+
+def test_the_switching_examples_plan_their_closed_loops(example_root):
+    """LongLive's interactive prompt (base + LoRA, window 12 with 3 sinks, recache) and
+    Infinity-RoPE's scenes (relative, window 6, one sink, cuts): one closed-loop job each at its
+    length, without a full-cache reference, its switch table planned; the LoRA's bytes and alpha
+    in the jobs' params. Moving a cut onto the full-cache reference is refused before any job."""
+    for example, checkpoint, prompt, policies in (
+        ("longlive", "longlive", "boy", ("sink_window", "window")),
+        ("infinity_rope", "infinite_forcing", "barbie", ("relative",)),
+    ):
+        args = ("--configfile", f"examples/{example}.yaml", "--replace-workflow-config")
+        jobs = planned_jobs(example_root, *args)
+        assert [w for rule, w in jobs if rule == "closed_loop"] == [
+            f"checkpoint={checkpoint}, prompt={prompt}"
+        ]
+        result = snakemake(example_root, "-n", *args)
+        folder = f"results/closed_loop/{checkpoint}/{prompt}"
+        for policy in policies:
+            assert f"{folder}/{policy}/layer4.zarr" in result.stdout
+        assert f"{folder}/full.safetensors" not in result.stdout
+        assert "results/closed_loop/switches.csv" in result.stdout
+    (example_root / "full.yaml").write_text("closed_loop: {reference: full}\n")
+    args = ("--configfile", "examples/infinity_rope.yaml", "full.yaml", "--replace-workflow-config")
+    result = snakemake(example_root, "-n", *args, check=False)
+    assert result.returncode != 0
+    assert "prompts.barbie.segments[0].cut: Infinity-RoPE's cut needs relative" in (
+        result.stdout + result.stderr
+    )
 
 
 def test_self_forcing_example_runs_end_to_end(example_root):

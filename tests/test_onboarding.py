@@ -18,6 +18,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
+from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from sinkscope.workflow.checks import NAME_PATTERN, check_config
 from sinkscope.workflow.entries import (
@@ -30,6 +31,7 @@ from sinkscope.workflow.entries import (
 from sinkscope.workflow.preflight import preflight, safetensors_header, torch_file_problem
 
 from .test_config import DEMO, SCHEMA
+from .test_lora import random_lora
 from .workflowtools import REPO, copy_workflow, edit_config, planned_jobs
 
 # Wan2.1-T2V-1.3B's config.json (249 B): the keys its Hugging Face repository ships.
@@ -313,7 +315,13 @@ def example_files(config: dict) -> set[str]:
     for entry in config["checkpoints"].values():
         files.add(f"{entry['base']}/{CONFIG_NAME}")
         files.add(entry["generator"] if "generator" in entry else f"{entry['base']}/{WEIGHTS_NAME}")
+        if "lora" in entry:
+            files.add(entry["lora"])
     return files
+
+
+def lora_files(config: dict) -> set[str]:
+    return {entry["lora"] for entry in config["checkpoints"].values() if "lora" in entry}
 
 
 def readme_trees() -> dict[str, set[str]]:
@@ -359,6 +367,11 @@ def test_an_example_on_the_readme_layout_passes_the_preflight(tmp_path, name):
         target = tmp_path / path
         if path.name == CONFIG_NAME:
             write_wan_folder(target.parent)
+        elif str(path) in lora_files(config):  # LongLive's adapter: rank 1 on the 1.3B linears
+            import torch
+
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"generator_lora": random_lora(WanConfig(), rank=1)}, target)
         elif path.suffix in (".pt", ".pth"):
             write_torch_zip(target)
         elif path.name == "umt5-xxl":

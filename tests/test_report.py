@@ -136,9 +136,9 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     categories = embedded(page, "categories")
     expected = expected_figures()
     # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 4 survey
-    # figures per run; 3 across runs, the survey's sink rates of every run and 3 of the closed loop.
+    # figures per run; 3 across runs, the survey's sink rates of every run and 4 of the closed loop.
     per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
-    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 3 == 71
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 == 72
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
@@ -180,7 +180,11 @@ def test_report_holds_the_summary_table(demo_report):
     assert set(categories["KV-cache policies"]["all runs"]) == {policies}
     closed = "results/closed_loop/summary.csv"
     blocks = "results/closed_loop/blocks.csv"
-    assert set(categories["KV-cache policies"]["closed loop"]) == {closed, blocks}
+    switches = "results/closed_loop/switches.csv"
+    assert set(categories["KV-cache policies"]["closed loop"]) == {closed, blocks, switches}
+    assert plain_text(first_line("closed_loop_switches_table")) in plain_text(
+        results[switches]["caption"]
+    )
     assert plain_text(first_line("closed_loop_blocks")) in plain_text(results[blocks]["caption"])
     diagnostics = pd.read_csv(io.BytesIO(decode_data_uri(results[blocks]["data_uri"])))
     assert set(diagnostics["policy"]) == {"full", *CONFIG["closed_loop"]["policies"]}
@@ -222,6 +226,7 @@ def test_every_caption_file_is_used():
         "policy_summary",
         "closed_loop_summary",
         "closed_loop_blocks",
+        "closed_loop_switches_table",
         "workflow",
     }
     assert captions == used | tables

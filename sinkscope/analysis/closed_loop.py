@@ -152,11 +152,13 @@ def read_run_table(
     what: str,
     integers: Sequence[str],
     floats: Sequence[str] = (),
+    optional: Sequence[str] = (),
 ) -> pd.DataFrame:
     """One CSV of a closed-loop rollout's (`columns`, what the file is called in messages): text
     stays text, `integers` whole numbers, `RUN_FLOATS` numbers, `floats` numbers or empty (NaN),
     the policy one of `closed_loop_policies()`, with a `source` column (the file). Refuses,
-    naming the file, a table that is empty, lacks a column or holds something else."""
+    naming the file, a table that is empty, lacks a column or holds something else. `optional`:
+    columns kept as they are where the file has them."""
     try:
         table = pd.read_csv(
             path,
@@ -190,7 +192,7 @@ def read_run_table(
     unknown = sorted(set(table["policy"]) - set(known))
     if unknown:
         raise ValueError(f"{path}: policies {unknown} are not one of {list(known)}")
-    table = table[list(columns)].copy()
+    table = table[[*columns, *(c for c in optional if c in table.columns)]].copy()
     table["source"] = str(path)
     return table
 

@@ -18,6 +18,7 @@ A store belongs to the rollout whose folder holds it: `X/{policy}/layer{L}.zarr`
 too), or the first block's frames when S is 0.
 
 Per (rollout, block) and, where stores were captured, per (layer, captured pass):
+- `segment`: the prompt segment the block read (from the block positions);
 - `sink_distance`: the lowest `sink_distance` of the block's frames;
 - `phase_concentration` (`sinkscope.diagnostics.phase_concentration`): of the block's query
   positions query_position .. query_position + frames - 1 against sink_position;
@@ -72,9 +73,17 @@ def read_block_tables(paths: Iterable[str | os.PathLike] | str | os.PathLike) ->
         paths = [paths]
     tables = []
     for path in paths:
+        # `segment` came with prompt switches: a table from before them read one prompt.
+        required = [column for column in BLOCK_POSITION_COLUMNS if column != "segment"]
         table = read_run_table(
-            path, BLOCK_POSITION_COLUMNS, "block-position table", _BLOCK_INTEGERS
+            path, required, "block-position table", _BLOCK_INTEGERS, optional=["segment"]
         )
+        if "segment" not in table:
+            table["segment"] = 0
+        segment = pd.to_numeric(table["segment"], errors="coerce")
+        if segment.isna().any() or (segment != np.round(segment)).any() or (segment < 0).any():
+            raise ValueError(f"{path}: column segment must hold whole numbers >= 0")
+        table["segment"] = segment.astype(np.int64)
         for _, run in table.groupby(RUN_KEYS, sort=False):
             run = run.sort_values("block")
             if run["block"].duplicated().any():
@@ -224,11 +233,18 @@ def block_diagnostics(
                 "block": int(block),
                 "first_frame": int(first),
                 "frames": int(count),
+                "segment": int(segment),
                 "sink_distance": float(low),
                 "phase_concentration": phase,
             }
-            for block, first, count, low, phase in zip(
-                blocks["block"], first_frames, counts, got["low"], phases, strict=True
+            for block, first, count, segment, low, phase in zip(
+                blocks["block"],
+                first_frames,
+                counts,
+                blocks["segment"],
+                got["low"],
+                phases,
+                strict=True,
             )
         ]
         stores = sorted(masses.get(key, []), key=lambda m: m.layer)

@@ -211,6 +211,13 @@ FIGURES = {
             "closed_loop",
             "model",
         ),
+        FigureKind(
+            "switches",
+            "closed_loop.plot_closed_loop_switches",
+            "closed_loop_switches.rst",
+            "closed_loop",
+            "model",
+        ),
     )
 }
 # The name of a file tells its kind: no two kinds may share a stem.

@@ -39,7 +39,7 @@ from .cache_policies import CachePolicy
 from .capture import LogitCapture
 from .job import RolloutPlan, loaded_job, plan_stores
 from .rolling import rolling_caches
-from .sampling import model_calls, rollout
+from .sampling import rollout
 
 LATENTS_KEY = "x0"
 # What must match between a policy's rollout and its reference for the comparison to mean anything.
@@ -151,8 +151,9 @@ class PositionProbe:
     def __init__(self, frame_seq_length: int, capture: LogitCapture | None = None):
         self.frame_seq_length = frame_seq_length
         self.capture = capture
-        self.rows: list[tuple[int, int, int, int, int]] = []  # the BLOCK_POSITION values
+        self.rows: list[tuple[int, ...]] = []  # the BLOCK_POSITION values
         self.first_pass: BlockPart | None = None  # the block at its first pass in this call
+        self.segment = 0  # of the current call
 
     @property
     def layers(self) -> set[int]:
@@ -161,6 +162,7 @@ class PositionProbe:
     def begin_call(self, index: int, call: ModelCall, timesteps) -> None:
         firsts = [part for part in call.parts if part.step == 0]
         self.first_pass = firsts[0] if firsts else None
+        self.segment = call.segment
         if self.capture is not None:
             self.capture.begin_call(index, call, timesteps)
 
@@ -175,7 +177,8 @@ class PositionProbe:
             own = (tokens >= part.start * t) & (tokens < part.end * t)
             first = tokens // t == 0
             sink = int(positions[first].min()) if bool(first.any()) else 0
-            self.rows.append((part.block, part.start, part.frames, int(positions[own].min()), sink))
+            position = int(positions[own].min())
+            self.rows.append((part.block, part.start, part.frames, position, sink, self.segment))
         if self.capture is not None and layer in self.capture.layers:
             self.capture(layer, q, k, visible)
 
@@ -318,7 +321,7 @@ def _roll_out(
 ) -> None:
     """One rollout of a loaded job under `settings["policy"]` (`closed_loop`)."""
     policy = policy_of(settings)
-    plan = _cache_plan(RolloutPlan.from_settings(settings), policy)
+    plan = _cache_plan(RolloutPlan.from_settings(settings).with_segments(job.segments), policy)
     geometry = plan.geometry
     policy.check(geometry.frames_per_block, geometry.block_sizes[0])
     if len(layers) != len(outputs.stores):
@@ -334,8 +337,8 @@ def _roll_out(
         "policy": settings["policy"],
     }
     rolling = plan.sampler == "rolling"
+    calls = plan.calls()
     if rolling:
-        calls = model_calls(plan.sampler, geometry, plan.schedule)
         caches = rolling_caches(
             model, calls, geometry.frames_per_block, frame_seq_length, policy=policy
         )
@@ -375,7 +378,7 @@ def _roll_out(
         try:
             latents = rollout(
                 model,
-                text[None],
+                text,
                 geometry=geometry,
                 schedule=plan.schedule,
                 sampler=plan.sampler,
@@ -385,6 +388,8 @@ def _roll_out(
                 on_call=probe.begin_call,
                 progress=progress,
                 caches=caches,
+                calls=calls,
+                global_sink=plan.global_sink,
             )[0]
         finally:
             model.set_capture(None)

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,17 +25,19 @@ from sinkscope.frames import (
     token_store_disk_bytes,
 )
 from sinkscope.passes import resolve_passes
+from sinkscope.schedules import ModelCall, block_starts_of, with_switches
+from sinkscope.segments import Segment, switch_frames
 from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.precision import model_dtype
 from sinkscope.wan.spec import CheckpointSpec
-from sinkscope.wan.text import load_prompt_embedding
+from sinkscope.wan.text import load_prompt_segments
 from sinkscope.workflow.digest import combine, sha256_file
 from sinkscope.workflow.gpus import job_device
 
 from .capture import LogitCapture
-from .sampling import Geometry, Schedule, rollout
+from .sampling import Geometry, Schedule, model_calls, rollout
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
 
 STORE_KINDS = ("tokens", "attention")
@@ -55,6 +57,13 @@ class RolloutPlan:
     seed: int
     passes: list[int]  # captured pass indices within a block (sinkscope.passes)
     tokens: bool  # capture.tokens: the token x token logits, not only the pooled ones
+    # The prompt's schedule (sinkscope.segments): where segments 1.. take effect, the RoPE cut
+    # of each (Infinity-RoPE), and LongLive's recache at each switch.
+    switches: tuple[int, ...] = ()
+    cuts: tuple[int | None, ...] = ()
+    recache: bool = False
+    global_sink: bool = True
+    capture_spec: object = "all"  # capture.passes as given, resolved again for a schedule
 
     @classmethod
     def from_settings(cls, settings: dict) -> RolloutPlan:
@@ -84,17 +93,75 @@ class RolloutPlan:
             seed=settings["seed"],
             passes=resolve_passes(settings["capture"]["passes"], schedule.num_passes - 1),
             tokens=settings["capture"].get("tokens", True),
+            # Absent where the sampler does not recache (workflow.params.sampler_params).
+            recache=bool(sampler.get("recache", False)),
+            global_sink=bool(sampler.get("global_sink", True)),
+            capture_spec=settings["capture"]["passes"],
         )
+
+    def with_segments(self, segments: Sequence[Segment]) -> RolloutPlan:
+        """The plan under a prompt of `segments`: the switches inside this rollout (a segment
+        starting past it never takes effect) and, with a recache, the recache pass captured as
+        `capture.passes` says."""
+        starts = block_starts_of(self.geometry.block_sizes)
+        switches = switch_frames(segments, starts)
+        if switches and self.sampler != "self_forcing":
+            raise ValueError(f"prompt switches run on the self_forcing sampler, not {self.sampler}")
+        cuts = tuple(segment.cut for segment in segments[: len(switches)])
+        passes = resolve_passes(
+            self.capture_spec,
+            self.schedule.num_passes - 1,
+            recache=self.recache and bool(switches),
+        )
+        return replace(self, switches=tuple(switches), cuts=cuts, passes=passes)
+
+    @property
+    def recaches(self) -> bool:
+        """Whether the rollout runs recache passes (a recaching sampler and a switch)."""
+        return self.recache and bool(self.switches)
+
+    def pass_axis(self) -> tuple[list[float], list[str]]:
+        """Timesteps and kinds of every slot of the pass axis: the denoising steps, the cache
+        pass and, with recache passes, the recache pass (t = 0)."""
+        timesteps, kinds = self.schedule.pass_timesteps(), self.schedule.pass_kinds()
+        if self.recaches:
+            return [*timesteps, self.schedule.cache_timestep], [*kinds, "recache"]
+        return timesteps, kinds
 
     @property
     def timesteps(self) -> list[float]:
-        every = self.schedule.pass_timesteps()
+        every = self.pass_axis()[0]
         return [every[p] for p in self.passes]
 
     @property
     def pass_kinds(self) -> list[str]:
-        every = self.schedule.pass_kinds()
+        every = self.pass_axis()[1]
         return [every[p] for p in self.passes]
+
+    def calls(self) -> list[ModelCall]:
+        """The rollout's model calls, under the prompt's schedule."""
+        calls = model_calls(self.sampler, self.geometry, self.schedule)
+        if not self.switches:
+            return calls
+        window = self.local_attn_size
+        return with_switches(
+            calls,
+            self.geometry.block_sizes,
+            self.switches,
+            recache_frames=window if self.recache else None,
+            recache_slot=self.schedule.num_passes,
+            cuts=self.cuts,
+        )
+
+    def schedule_attrs(self) -> dict:
+        """What the stores record of the prompt's schedule (none for a plain prompt)."""
+        if not self.switches:
+            return {}
+        return {
+            "switch_frames": list(self.switches),
+            "recache": self.recache,
+            "global_sink": self.global_sink,
+        }
 
 
 def prompt_token_attrs(text_meta: dict[str, str]) -> dict:
@@ -114,7 +181,8 @@ class LoadedJob:
     device: torch.device
     dtype: torch.dtype
     model: torch.nn.Module
-    text: torch.Tensor
+    text: torch.Tensor  # [segments, L, d]: one row per segment of the prompt
+    segments: list[Segment]
     provenance: dict
 
 
@@ -130,10 +198,10 @@ def loaded_job(
         # Absent where settings skip the schema defaults: bf16 on CUDA, fp32 on the CPU.
         dtype = model_dtype(device, settings.get("dtype", "auto"))
         model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
-        text, text_meta = load_prompt_embedding(prompt_embeddings)
-        if text.shape[1] != model.config.text_dim:
+        text, text_meta, segments = load_prompt_segments(prompt_embeddings)
+        if text.shape[2] != model.config.text_dim:
             raise ValueError(
-                f"{prompt_embeddings}: embeddings have width {text.shape[1]}, "
+                f"{prompt_embeddings}: embeddings have width {text.shape[2]}, "
                 f"but {checkpoint_name} expects text_dim={model.config.text_dim}"
             )
         provenance = {
@@ -148,8 +216,10 @@ def loaded_job(
             "gpu": claim.record(),
             "started_at": started_at,
             "dtype": str(dtype).removeprefix("torch."),
+            # A prompt of segments: each one's text, start, flush and cut.
+            **({"segments": [asdict(s) for s in segments]} if len(segments) > 1 else {}),
         }
-        yield LoadedJob(device, dtype, model, text, provenance)
+        yield LoadedJob(device, dtype, model, text, segments, provenance)
 
 
 def load_checkpoint(
@@ -223,6 +293,7 @@ def plan_stores(
         "local_attn_size": plan.local_attn_size,
         "sink_size": plan.sink_size,
         "logit_scale": 1.0 / math.sqrt(cfg.head_dim),
+        **plan.schedule_attrs(),
     }
     folder = Path(outputs[0]).parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -311,7 +382,7 @@ def roll_out(
     try:
         rollout(
             model,
-            text[None],
+            text,
             geometry=plan.geometry,
             schedule=plan.schedule,
             sampler=plan.sampler,
@@ -322,6 +393,8 @@ def roll_out(
             dtype=dtype,
             on_call=capture.begin_call,
             progress=progress,
+            calls=plan.calls(),
+            global_sink=plan.global_sink,
         )
     finally:
         model.set_capture(None)
@@ -348,9 +421,9 @@ def extract(
     """
     if len(layers) != len(outputs):
         raise ValueError(f"{len(layers)} layers but {len(outputs)} outputs")
-    plan = RolloutPlan.from_settings(settings)
     # The GPU is held from before the model loads until the stores are complete.
     with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+        plan = RolloutPlan.from_settings(settings).with_segments(job.segments)
         model, text, device, dtype = job.model, job.text, job.device, job.dtype
         cfg = model.config
         provenance = {**job.provenance, "config": settings}

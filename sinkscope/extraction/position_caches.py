@@ -35,7 +35,12 @@ class RelativeKVCache(CacheEngine):
     values with clean ones. The sinks are the first block's frames: S may not exceed it.
 
     With B at least the video's frames every position is the frame's own, and the rollout is the
-    full cache's, bit for bit, whatever S (the same RoPE of the same keys before RoPE)."""
+    full cache's, bit for bit, whatever S (the same RoPE of the same keys before RoPE).
+
+    Infinity-RoPE's scene cut (a call with `rope_cut`): the block's queries and own keys sit at
+    rope_cut .. rope_cut + f - 1 in all its passes, the sinks and the cached frames at theirs."""
+
+    runs_cut = True
 
     def __init__(
         self,
@@ -65,10 +70,18 @@ class RelativeKVCache(CacheEngine):
         self.first = self.held_end = self.sink_tokens  # tokens [first, held_end) are in `raw`
         self.global_end = 0
         self.grid: tuple[int, int] | None = None
-        self.shift = 0  # a non-sink frame f sat at position f - shift in the last call
+        self.shift = 0  # an own frame f sat at position f - shift in the last call
+        self.recent_shift = 0  # and a cached non-sink frame f at f - recent_shift
+        self.cut: int | None = None  # the current call's RoPE cut
+
+    def begin_call(self, index: int, call) -> None:
+        super().begin_call(index, call)
+        self.cut = call.rope_cut
 
     def query_position(self, start_frame: int, frames: int) -> int:
         """RoPE position of the first query frame of the block of `frames` at `start_frame`."""
+        if self.cut is not None:
+            return self.cut
         return min(start_frame, self.budget - frames)
 
     def angles(self, head_dim, grid, start_frame, device):
@@ -108,6 +121,7 @@ class RelativeKVCache(CacheEngine):
         frames = n // t
         position = self.query_position(current_start // t, frames)
         self.shift = current_start // t - position
+        self.recent_shift = self.first // t - self.sink_frames
         device = k.device
         tokens = torch.arange(current_start, end, device=device)
         if current_start == 0:
@@ -131,7 +145,9 @@ class RelativeKVCache(CacheEngine):
     def key_labels(self, key_tokens, query_start):
         positions, kinds = super().key_labels(key_tokens, query_start)
         sink = key_tokens < self.sink_tokens
-        positions = torch.where(sink, positions, positions - self.shift)
+        own = key_tokens >= query_start
+        shifted = torch.where(own, positions - self.shift, positions - self.recent_shift)
+        positions = torch.where(sink, positions, shifted)
         return positions, torch.where(sink, KEY_KIND["sink"], kinds)
 
 

@@ -9,6 +9,10 @@
 - `rolling` (Rolling Forcing, Causal Forcing's long videos): a window of S blocks denoised jointly,
   each at its own step; after every window call the unfinished blocks are re-noised to their next
   step and a clean pass writes the window's oldest block (`sinkscope.extraction.rolling`).
+
+A prompt of segments (`sinkscope.segments`) gives every call the text of its segment, and with
+LongLive's recache a `recache` call before each switch re-encodes the clean frames before it
+under the new prompt (`sinkscope.schedules.with_switches`): t = 0, output discarded, no noise.
 """
 
 from __future__ import annotations
@@ -170,8 +174,15 @@ def rollout(
     on_pass: PassHook | None = None,
     progress: bool = True,
     caches: list | None = None,
+    calls: list[ModelCall] | None = None,
+    global_sink: bool = True,
 ) -> torch.Tensor:
     """Generate clean latents [1, C, F, H, W] by running the sampler's model calls with a KV cache.
+
+    `text` [segments, L, d]: one row per segment of the prompt, the row a call reads being its
+    `segment` (a plain prompt: one row). `calls`: the schedule of model calls, by default the
+    sampler's (`model_calls`), for a prompt of segments `schedules.with_switches` of it;
+    `global_sink`: LongLive's, for its recache calls.
 
     Noise comes from a CPU generator seeded with `seed`, so the same seed gives the same video on
     any device, whatever is captured and whatever the cache keeps. `caches`: one per layer in
@@ -189,7 +200,11 @@ def rollout(
         geometry.latent_height,
         geometry.latent_width,
     )
-    calls = model_calls(sampler, geometry, schedule)
+    if calls is None:
+        calls = model_calls(sampler, geometry, schedule)
+    segments = max(call.segment for call in calls) + 1
+    if text.shape[0] < segments:
+        raise ValueError(f"the calls read {segments} prompt segments; the text has {text.shape[0]}")
     generator = torch.Generator().manual_seed(seed)
     noise = torch.randn(shape, generator=generator)
     if caches is not None and (local_attn_size, sink_size) != (-1, 0):
@@ -209,6 +224,9 @@ def rollout(
             device=device,
             dtype=dtype,
         )
+    for cache in caches:
+        if hasattr(cache, "global_sink"):
+            cache.global_sink = global_sink
     text = model.embed_text(text.to(device=device, dtype=dtype))
     output = torch.empty(shape, dtype=torch.float32)
     state = _Blocks(noise, schedule, generator, device, dtype)
@@ -243,17 +261,23 @@ def rollout(
             ],
             dim=1,
         ).to(device)
+        context = text[call.segment : call.segment + 1]
         if call.kind == "cache":
             # Clean keys/values of this block replace the noisy ones in the cache.
             (part,) = call.parts
             x0 = state.x0[part.block]
-            model(x0, t, text, kv_caches=caches, start_frame=call.start, text_embedded=True)
+            model(x0, t, context, kv_caches=caches, start_frame=call.start, text_embedded=True)
             if part.block not in state.x:  # finished: no later call reads its x0
                 del state.x0[part.block]
+        elif call.kind == "recache":
+            # LongLive: the clean outputs before the switch again, under the new prompt; only
+            # the cache keeps anything of this call.
+            x0 = output[:, :, call.start : call.end].to(device=device, dtype=dtype)
+            model(x0, t, context, kv_caches=caches, start_frame=call.start, text_embedded=True)
         else:
             x = torch.cat([state.input(part) for part in call.parts], dim=2)
             velocity = model(
-                x, t, text, kv_caches=caches, start_frame=call.start, text_embedded=True
+                x, t, context, kv_caches=caches, start_frame=call.start, text_embedded=True
             )
             state.step(call, velocity, timesteps)
             for part in call.parts:

@@ -148,6 +148,7 @@ class _StoreWriter:
         self.frame_seq_length = frame_seq_length
         self.num_tokens = num_frames * frame_seq_length
         self.num_steps = len(timesteps)
+        self.pass_kinds = [str(kind) for kind in pass_kinds]
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
         group.attrs.update(encode_attrs(attrs))
         self._group = group
@@ -548,12 +549,13 @@ class SlotStoreWriter(AttentionStoreWriter):
     def write_pooled(self, *args) -> None:
         raise TypeError("a store over cache slots keeps no pooled frame-level logits")
 
-    def _write(self, first_query_frame: int, rows: dict) -> int:
+    def _write(self, first_query_frame: int, rows: dict, step: int | None = None) -> int:
         frames = rows["key_mass"].shape[2]
         queries = slice(first_query_frame, first_query_frame + frames)
+        steps = slice(None) if step is None else slice(step, step + 1)
 
         def write(name: str) -> None:
-            self.arrays[name][:, :, queries, :] = rows[name]
+            self.arrays[name][steps, :, queries, :] = rows[name]
 
         # The six chunks of a block at once: zarr's event loop encodes them side by side, where
         # one after the other each waited for the last.
@@ -575,21 +577,40 @@ class SlotStoreWriter(AttentionStoreWriter):
         """key_mass and key_logit_mean [heads, query frames, M] over the M keys a pass call saw,
         in cache order, entropy [heads, query frames], and the `SLOT_LABELS` of each key ([M]
         shared by the heads, or [heads, M]); padded to `slots`, and queued once every captured
-        pass of the block has come (every sampler calls a block's passes in pass order)."""
+        pass of the block has come (every sampler calls a block's passes in pass order); a
+        recache pass, which comes after its frames' blocks were written, is queued alone."""
         heads, frames, keys = key_mass.shape
         if keys > self.slots:
             raise ValueError(
                 f"{self.path}: a call saw {keys} keys, more than the store's {self.slots} slots"
             )
+        late = self.pass_kinds[step] == "recache"
+        if late:
+            # LongLive's recache re-encodes frames whose blocks were written long before: its
+            # rows go out on their own, one step of the frames it queried.
+            step_rows = self._rows(1, heads, frames)
+            self._fill(step_rows, 0, key_mass, key_logit_mean, labels, keys)
+            self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
+            self._put((first_query_frame, step_rows, step))
+            return
         if first_query_frame not in self._blocks:
-            shape = (self.num_steps, heads, frames, self.slots)
-            rows = {
-                name: np.full(shape, np.nan, np.float32) for name in ("key_mass", "key_logit_mean")
-            }
-            for name, (dtype, fill) in SLOT_LABELS.items():
-                rows[name] = np.full(shape, fill, dtype)
-            self._blocks[first_query_frame] = rows
+            self._blocks[first_query_frame] = self._rows(self.num_steps, heads, frames)
         rows = self._blocks[first_query_frame]
+        self._fill(rows, step, key_mass, key_logit_mean, labels, keys)
+        self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
+        last = max(i for i, kind in enumerate(self.pass_kinds) if kind != "recache")
+        if step == last:
+            self._flush(first_query_frame)
+
+    def _rows(self, steps: int, heads: int, frames: int) -> dict[str, np.ndarray]:
+        shape = (steps, heads, frames, self.slots)
+        rows = {name: np.full(shape, np.nan, np.float32) for name in ("key_mass", "key_logit_mean")}
+        for name, (dtype, fill) in SLOT_LABELS.items():
+            rows[name] = np.full(shape, fill, dtype)
+        return rows
+
+    @staticmethod
+    def _fill(rows, step, key_mass, key_logit_mean, labels, keys) -> None:
         rows["key_mass"][step, :, :, :keys] = key_mass
         rows["key_logit_mean"][step, :, :, :keys] = key_logit_mean
         for name in SLOT_LABELS:
@@ -599,6 +620,3 @@ class SlotStoreWriter(AttentionStoreWriter):
             rows[name][step, :, :, :keys] = (values if values.ndim == 2 else values[None])[
                 :, None, :
             ]
-        self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
-        if step == self.num_steps - 1:
-            self._flush(first_query_frame)

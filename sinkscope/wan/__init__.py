@@ -6,6 +6,6 @@ and saving weights), `lora.py` (LoRA adapters merged at load), `text.py` (UMT5 p
 `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
 (`CheckpointSpec`), `lora_keys.py` (a LoRA file's keys and shapes, what is refused) and `demo.py`
 (the demo model's size; torch only to make one).
-Imports nothing of sinkscope but the shared `storage` and `cache_choices` (the kinds of key a
-cache labels, `KEY_KIND`).
+Imports nothing of sinkscope but the shared `storage`, `cache_choices` (the kinds of key a
+cache labels, `KEY_KIND`) and `segments` (a prompt's segments, in its embeddings file).
 """

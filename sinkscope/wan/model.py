@@ -65,6 +65,10 @@ class CacheEngine:
     (`key_labels`). Caches that move keys or queries in time, or bias them, override these."""
 
     frame_seq_length: int
+    # LongLive's recache and Infinity-RoPE's cut (sinkscope.schedules.with_switches): only the
+    # caches whose release runs them say they can; the others refuse the call.
+    runs_recache = False
+    runs_cut = False
 
     def angles(
         self, head_dim: int, grid: tuple[int, int, int], start_frame: int, device: torch.device
@@ -92,7 +96,15 @@ class CacheEngine:
 
     def begin_call(self, index: int, call) -> None:
         """Told before every model call which call of the sampler's schedule it is (index, a
-        `sinkscope.schedules.ModelCall`); by default passes its kind on to `begin_pass`."""
+        `sinkscope.schedules.ModelCall`); by default passes its kind on to `begin_pass`, after
+        refusing a recache or a RoPE cut this cache does not run."""
+        if call.kind == "recache" and not self.runs_recache:
+            raise ValueError(f"{type(self).__name__} does not run LongLive's recache")
+        if getattr(call, "rope_cut", None) is not None and not self.runs_cut:
+            raise ValueError(
+                f"{type(self).__name__} keeps absolute positions: Infinity-RoPE's cut needs "
+                "relative ones"
+            )
         self.begin_pass(call.kind)
 
 
@@ -114,7 +126,10 @@ class KVCache(CacheEngine):
         sink_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        global_sink: bool = True,
     ):
+        self.global_sink = global_sink
+        self.recaching = False
         self.k = torch.zeros(batch, slots, num_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.slot_token = torch.full((slots,), -1, dtype=torch.long, device=device)
@@ -128,6 +143,15 @@ class KVCache(CacheEngine):
     @property
     def slots(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def runs_recache(self) -> bool:
+        # Self-Forcing's own window (LongLive's cache); its subclasses move or choose keys.
+        return type(self) is KVCache
+
+    def begin_call(self, index: int, call) -> None:
+        super().begin_call(index, call)
+        self.recaching = call.kind == "recache"
 
     def update(
         self,
@@ -163,11 +187,23 @@ class KVCache(CacheEngine):
                 f"KV cache of {self.slots} slots cannot hold tokens up to {current_end}: "
                 "set local_attn_size to roll the cache for long rollouts"
             )
-        self.k[:, local_end - n : local_end] = k
-        self.v[:, local_end - n : local_end] = v
-        self.slot_token[local_end - n : local_end] = torch.arange(
-            current_start, current_end, device=self.slot_token.device
-        )
+        tokens = torch.arange(current_start, current_end, device=self.slot_token.device)
+        slots = slice(local_end - n, local_end)
+        if self.recaching and self.global_sink and self.sink_tokens:
+            # LongLive's recache with global_sink: a sink slot keeps its frame unless the
+            # recache rewrites that same frame (a recache from frame 0); the keys that would
+            # fall into it are dropped.
+            held = self.slot_token[slots]
+            keep = torch.arange(local_end - n, local_end, device=held.device) < self.sink_tokens
+            keep &= held != tokens
+            write = ~keep
+            self.k[:, slots][:, write] = k[:, write.to(k.device)]
+            self.v[:, slots][:, write] = v[:, write.to(v.device)]
+            self.slot_token[slots] = torch.where(write, tokens, held)
+        else:
+            self.k[:, slots] = k
+            self.v[:, slots] = v
+            self.slot_token[slots] = tokens
         self.global_end = max(self.global_end, current_end)
         self.local_end = local_end
         visible = slice(max(0, local_end - self.max_attention_size), local_end)
@@ -176,7 +212,10 @@ class KVCache(CacheEngine):
     def key_labels(self, key_tokens, query_start):
         positions, kinds = super().key_labels(key_tokens, query_start)
         if self.sink_tokens:
-            kinds = torch.where(key_tokens < self.sink_tokens, KEY_KIND["sink"], kinds)
+            # The frames the sink slots hold: the first ones, or after a recache without
+            # global_sink the frames it wrote there.
+            sinks = torch.isin(key_tokens, self.slot_token[: self.sink_tokens])
+            kinds = torch.where(sinks, KEY_KIND["sink"], kinds)
         return positions, kinds
 
 

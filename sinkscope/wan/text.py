@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from sinkscope.segments import Segment, segments_from_json, segments_json
 from sinkscope.storage import atomic_path
 
 from .cleaning import clean_prompt
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from transformers import UMT5Config, UMT5EncoderModel
 
 EMBEDDINGS_KEY = "prompt_embeds"
+# A prompt of segments: every segment's embeddings [n, L, d], beside the first's under
+# EMBEDDINGS_KEY (what a reader of one prompt sees), and the segments as JSON metadata.
+SEGMENTS_KEY = "segment_embeds"
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +203,30 @@ def encode_prompt(
     bfloat16 on CUDA, as Wan / Self-Forcing do (`dtype` "auto"), or in the `dtype` given. A
     prompt longer than `text_len` tokens is cut to its first text_len - 1 and EOS, as Wan does:
     `on_truncate` "warn" logs what was cut, "error" raises."""
+    (encoded,) = encode_prompts(
+        [text],
+        encoder,
+        tokenizer_dir=tokenizer_dir,
+        text_len=text_len,
+        device=device,
+        on_truncate=on_truncate,
+        dtype=dtype,
+    )
+    return encoded
+
+
+@torch.no_grad()
+def encode_prompts(
+    texts: list[str],
+    encoder: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    text_len: int = 512,
+    device: torch.device | str = "cpu",
+    on_truncate: str = "warn",
+    dtype: str = "auto",
+) -> list[EncodedPrompt]:
+    """`encode_prompt` of each text (a prompt's segments), the encoder loaded once."""
     if on_truncate not in ("warn", "error"):
         raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -222,6 +250,10 @@ def encode_prompt(
         model = UMT5EncoderModel.from_pretrained(str(encoder), dtype=dtype).to(device).eval()
     else:
         model = load_wan_umt5(encoder, device=device, dtype=dtype)
+    return [_encode_one(text, tokenizer, model, text_len, device, on_truncate) for text in texts]
+
+
+def _encode_one(text, tokenizer, model, text_len, device, on_truncate) -> EncodedPrompt:
     cleaned = clean_prompt(text)
     if not cleaned:
         raise ValueError(f"prompt {text!r} is empty after Wan's cleaning")
@@ -310,6 +342,63 @@ def load_prompt_embedding(
             f"{path}: embeddings have width {embeds.shape[1]}, but text_dim={text_dim} is expected"
         )
     return embeds, metadata
+
+
+def save_prompt_segments(
+    path: str | Path, encoded: list[EncodedPrompt], segments: list[Segment]
+) -> None:
+    """Write a prompt of segments: every segment's embeddings under SEGMENTS_KEY [n, L, d], the
+    first's under EMBEDDINGS_KEY, the segments (`sinkscope.segments`) and each one's token counts
+    as metadata. A plain prompt (one segment) is written as `save_prompt_embedding` writes it."""
+    if len(encoded) != len(segments):
+        raise ValueError(f"{len(segments)} segments but {len(encoded)} encodings")
+    first = encoded[0]
+    if len(segments) == 1:
+        save_prompt_embedding(
+            path,
+            first.embeds,
+            prompt=segments[0].text,
+            length=first.length,
+            prompt_tokens=first.prompt_tokens,
+        )
+        return
+    metadata = {
+        "prompt": " | ".join(segment.text for segment in segments),
+        "length": str(first.length),
+        "prompt_tokens": str(first.prompt_tokens),
+        "segments": segments_json(segments),
+        "segment_lengths": json.dumps([e.length for e in encoded]),
+        "segment_prompt_tokens": json.dumps([e.prompt_tokens for e in encoded]),
+    }
+    tensors = {
+        EMBEDDINGS_KEY: first.embeds.contiguous(),
+        SEGMENTS_KEY: torch.stack([e.embeds for e in encoded]).contiguous(),
+    }
+    with atomic_path(path) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
+
+
+def load_prompt_segments(path: str | Path) -> tuple[torch.Tensor, dict[str, str], list[Segment]]:
+    """Embeddings [n, L, d] (float32) of a prompt's n segments, its metadata and its segments:
+    a file of `save_prompt_segments`, or any prompt file `load_prompt_embedding` reads (one
+    segment from frame 0)."""
+    embeds, metadata = load_prompt_embedding(path)
+    if "segments" not in metadata:
+        return embeds[None], metadata, [Segment(metadata.get("prompt", ""))]
+    path = Path(path)
+    segments = segments_from_json(metadata["segments"])
+    with safe_open(str(path), framework="pt") as handle:
+        if SEGMENTS_KEY not in handle.keys():
+            raise ValueError(f"{path}: {len(segments)} segments but no '{SEGMENTS_KEY}' tensor")
+        stacked = handle.get_tensor(SEGMENTS_KEY).float()
+    if stacked.shape != (len(segments), *embeds.shape):
+        raise ValueError(
+            f"{path}: '{SEGMENTS_KEY}' is {list(stacked.shape)}, not "
+            f"[{len(segments)}, {embeds.shape[0]}, {embeds.shape[1]}] for its segments"
+        )
+    if not torch.isfinite(stacked).all():
+        raise ValueError(f"{path}: '{SEGMENTS_KEY}' has non-finite values")
+    return stacked, metadata, segments
 
 
 def make_demo_text_encoder(

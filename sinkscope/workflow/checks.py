@@ -44,6 +44,7 @@ from .entries import (
 from .plan import free_bytes, job_disk_bytes
 from .preflight import file_problems, merge_prompts, raise_problems
 from .resources import gpu_memory_bytes
+from .schedule_checks import check_prompt_schedules
 
 # A name becomes a folder or file name in every output path, so it must be one safe path component.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -232,6 +233,8 @@ def check_config(config: dict) -> None:
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
         )
+    # Before the closed loop's sizes: a schedule its rollouts cannot run says so first.
+    check_prompt_schedules(config)
     _check_closed_loop(config)
     _check_export(config)
     _check_token_passes(config, surveyed)

@@ -16,6 +16,7 @@ from sinkscope.cache_choices import (
     SINK_POLICIES,
     TURNING_POLICIES,
 )
+from sinkscope.segments import Segment, SegmentError, parse_segments
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.layout import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_model_config
 from sinkscope.wan.spec import CheckpointSpec
@@ -275,14 +276,24 @@ def repeated_prompts(config: dict) -> list[str]:
 
 
 def prompt_text(config: dict, name: str) -> str:
-    entry = config["prompts"][name]
-    return entry["text"] if isinstance(entry, dict) else entry
+    """A prompt's text; a prompt of segments: their texts joined by ' | ' (as names and
+    warnings show it; each segment is encoded on its own)."""
+    return " | ".join(segment.text for segment in prompt_segments(config, name))
+
+
+def prompt_segments(config: dict, name: str) -> list[Segment]:
+    """A prompt's segments (`sinkscope.segments`): one from frame 0 for a plain prompt. Raises
+    ConfigError naming `prompts.{name}` for a schedule that cannot run."""
+    try:
+        return parse_segments(config["prompts"][name], f"prompts.{name}")
+    except SegmentError as err:
+        raise ConfigError(str(err)) from None
 
 
 def prompt_embeddings(config: dict, name: str) -> str | None:
     """The precomputed embeddings file of a prompt, if it brings one."""
     entry = config["prompts"][name]
-    return entry["embeddings"] if isinstance(entry, dict) else None
+    return entry.get("embeddings") if isinstance(entry, dict) else None
 
 
 def uses_text_encoder(config: dict) -> bool:

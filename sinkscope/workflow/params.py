@@ -6,6 +6,7 @@ output depends on and nothing else. Runs while Snakemake parses; no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .digest import DIGEST_CACHE, cached_sha256
@@ -17,6 +18,7 @@ from .entries import (
     demo_seed,
     is_demo_checkpoint,
     prompt_embeddings,
+    prompt_segments,
     sampler_settings,
     token_passes,
 )
@@ -42,6 +44,24 @@ def prompt_encoder(config: dict, name: str) -> dict | None:
     # `truncate` decides whether the job fails, not what it writes: not a param.
     encoder = {k: v for k, v in config["text_encoder"].items() if k != "truncate"}
     return canonical(encoder)
+
+
+def prompt_segment_params(config: dict, name: str) -> list[dict] | None:
+    """A prompt of segments as its encode job gets them (text, start, flush, cut of each), so a
+    changed start reruns it; None for a plain prompt."""
+    if not isinstance(config["prompts"][name], dict) or "segments" not in config["prompts"][name]:
+        return None
+    return [canonical(dataclasses.asdict(s)) for s in prompt_segments(config, name)]
+
+
+def sampler_params(config: dict, name: str) -> dict:
+    """The sampler as jobs get it: `recache` and `global_sink` only with recache on, so the
+    stores of runs from before LongLive's recache existed are not rerun for a default."""
+    sampler = dict(sampler_settings(config, name))
+    if not sampler.get("recache", False):
+        sampler.pop("recache", None)
+        sampler.pop("global_sink", None)
+    return sampler
 
 
 def canonical(value):
@@ -101,7 +121,7 @@ def extraction_settings(
                 **checkpoint_spec(config, name).to_params(),
                 **checkpoint_content(config, name, cache),
             },
-            "sampler": sampler_settings(config, name),
+            "sampler": sampler_params(config, name),
             "video": video_settings(config),
             "capture": capture,
             "seed": config["seed"],

@@ -31,6 +31,7 @@ from .entries import (
     merge_prompts_file,
     model_config,
     prompt_embeddings,
+    prompt_segments,
     prompt_text,
     read_prompts_file,
     uses_text_encoder,
@@ -267,6 +268,19 @@ def _prompt_problems(config: dict) -> list[str]:
             problem = _embeddings_problem(Path(path))
             if problem:
                 problems.append(f"prompts.{name}.embeddings: {problem}")
+        try:
+            segments = prompt_segments(config, name)
+        except ConfigError as err:
+            problems.append(str(err))
+            continue
+        if len(segments) > 1:
+            problems += [
+                f"prompts.{name}.segments[{index}].text: {segment.text!r} is empty after Wan's "
+                "prompt cleaning (HTML entities unescaped, whitespace collapsed)"
+                for index, segment in enumerate(segments)
+                if not clean_prompt(segment.text)
+            ]
+            continue
         text = prompt_text(config, name)
         if path is None and not clean_prompt(text):
             origin = from_file.get(name)

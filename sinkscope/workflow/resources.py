@@ -95,7 +95,11 @@ def store_geometry(
     video = config["video"]
     passes = token_passes(config) if store == "tokens" else config["capture"]["passes"]
     return StoreGeometry(
-        num_passes=len(resolve_passes(passes, denoising_steps(sampler))),
+        # A recaching sampler may add the recache slot (an upper bound: a prompt that
+        # switches inside this rollout).
+        num_passes=len(
+            resolve_passes(passes, denoising_steps(sampler), recache=sampler.get("recache", False))
+        ),
         num_heads=model.num_heads,
         frame_seq_length=model.tokens_per_frame(video["latent_height"], video["latent_width"]),
         sizes=block_sizes(

@@ -26,7 +26,14 @@ from sinkscope.analysis.closed_loop import (
 )
 from sinkscope.diagnostics import DISTANCE_THRESHOLD, PHASE_FROM, collapse_candidates
 
-from .common import COLUMN_WIDTH_IN, FULL_WIDTH_IN, legend_handles, panel_grid, styled
+from .common import (
+    COLUMN_WIDTH_IN,
+    FULL_WIDTH_IN,
+    legend_handles,
+    panel_grid,
+    series_colors,
+    styled,
+)
 
 CLOSED_LOOP_TITLE = "Closed loop: latent deviation from the full-cache rollout"
 CLOSED_LOOP_L2_LABEL = "Relative L2 to the full-cache rollout"
@@ -508,7 +515,8 @@ def plot_closed_loop_collapse(
     (`sinkscope.diagnostics.collapse_candidates`, from the training length `train_frames` on, or
     after the sink frames without it; the phase maxima from max(that, `PHASE_FROM`) on): a red
     dashed line at each sink-distance dip and a purple dash-dotted one at each phase maximum,
-    across the column; a dotted line at the training length. Without `titles` a single run is
+    across the column; a dotted line at the training length; a grey dashed line at each prompt
+    switch (where the blocks' `segment` changes). Without `titles` a single run is
     not named (the caption names it)."""
     runs = closed_loop_runs(table, "frame table")
     keys = _closed_loop_policies(table)
@@ -544,6 +552,13 @@ def plot_closed_loop_collapse(
             grid[:, column], key, table, blocks, train_frames, run_styles, layer_colors
         )
         grid[0, column].set_title(textwrap.fill(_closed_loop_label(key), 26))
+        switches = set()
+        for checkpoint, prompt in runs if "segment" in blocks else []:
+            run_rows = blocks[(blocks["checkpoint"] == checkpoint) & (blocks["prompt"] == prompt)]
+            switches |= {frame for frame, _ in _switch_frames(_rows_of(run_rows, key))}
+        for frame in sorted(switches):
+            for ax in grid[:, column]:
+                ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
         grid[0, column].axhline(DISTANCE_THRESHOLD, color="0.6", linewidth=0.5, linestyle=":")
         for ax, limits in zip(grid[:, column], [(0, top), (-0.03, 1.03), (low, 1.05)], strict=True):
             if train_frames is not None:
@@ -570,6 +585,8 @@ def plot_closed_loop_collapse(
         handles["phase maximum"] = Line2D([], [], **PEAK_STYLE)
     if train_frames is not None:
         handles[f"training length ({int(train_frames)} frames)"] = Line2D([], [], **TRAINING_STYLE)
+    if "_switch" in marked:
+        handles["prompt switch"] = Line2D([], [], **SWITCH_STYLE)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=5)
     passes = "passes and runs" if len(runs) > 1 else "passes"
     where = f"{runs[0][0]} · {runs[0][1]} · " if titles and len(runs) == 1 else ""
@@ -577,10 +594,100 @@ def plot_closed_loop_collapse(
     return fig
 
 
+SWITCHES_TITLE = "Closed loop: sink and own-block attention across the prompt switches"
+SWITCH_STYLE = {"color": "0.35", "linewidth": 0.7, "linestyle": "--"}
+SWITCH_ROWS = 8  # (rollout, layer) rows drawn at most; the note names how many are left out
+
+
+def _switch_frames(rows: pd.DataFrame) -> list[tuple[int, int]]:
+    """(first frame, segment) of the blocks of `rows` (one rollout) where the segment changes."""
+    per_block = rows.drop_duplicates("block").sort_values("first_frame")
+    segment = per_block["segment"].to_numpy()
+    changed = np.flatnonzero(segment[1:] != segment[:-1]) + 1
+    first = per_block["first_frame"].to_numpy()
+    return [(int(first[i]), int(segment[i])) for i in changed]
+
+
+def _switch_step(rows: pd.DataFrame) -> tuple[int, str]:
+    """The pass a rollout's switch panels show: its first captured denoising pass (t = 1000 by
+    default), else its first pass; with its label."""
+    passes = rows.drop_duplicates("step").sort_values("step")
+    denoise = passes[passes["pass_kind"] == "denoise"]
+    chosen = (denoise if not denoise.empty else passes).iloc[0]
+    kind = str(chosen["pass_kind"])
+    label = "cache pass (t=0)" if kind == "cache" else f"t={float(chosen['timestep']):g}"
+    return int(chosen["step"]), label if kind != "recache" else "recache pass (t=0)"
+
+
+@styled
+def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Figure:
+    """Each head's mass on the sink frames (left) and on its own block (right) per query block,
+    against the block's first latent frame, in the first captured denoising pass, one row per
+    captured (rollout, layer) of the switch table (`analysis.switches`; the rollouts of the runs
+    whose prompt switches when any does, at most `SWITCH_ROWS` rows); one line per head, a dashed
+    line at every switch labelled with the segment it starts. A recache pass is not drawn (it
+    queries the frames before a switch again: the table has it)."""
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.0), layout="constrained")
+    if table.empty:
+        fig.set_figheight(2.0)
+        ax = fig.subplots()
+        ax.set_axis_off()
+        _note(ax, "no attention captured over the cache's slots (closed_loop.survey)")
+        fig.suptitle(SWITCHES_TITLE)
+        return fig
+    keys = [*RUN_KEYS, "layer"]
+    switching = table.groupby(["checkpoint", "prompt"])["segment"].transform("max") > 0
+    shown = table[switching] if switching.any() else table
+    groups = sorted(
+        shown.groupby(keys, sort=False),
+        key=lambda item: (*item[0][:2], policy_order(item[0][2]), *item[0][2:]),
+    )
+    left_out = len(groups) - SWITCH_ROWS
+    groups = groups[:SWITCH_ROWS]
+    heads = sorted({int(head) for head in shown["head"]})
+    colors = dict(zip(heads, series_colors(len(heads)), strict=True))
+    fig.set_figheight(1.45 * len(groups) + 1.1)
+    axes = fig.subplots(len(groups), 2, sharex=True, squeeze=False)
+    for (key, rows), row_axes in zip(groups, axes, strict=True):
+        step, label = _switch_step(rows)
+        drawn = rows[rows["step"] == step]
+        for head, per_head in drawn.groupby("head"):
+            per_head = per_head.sort_values("first_frame")
+            x = per_head["first_frame"].to_numpy()
+            for ax, column in zip(row_axes, ("sink_mass", "own_mass"), strict=True):
+                ax.plot(x, per_head[column].to_numpy(dtype=float), color=colors[int(head)],
+                        linewidth=0.7, marker=".", markersize=2, label=f"head {head}")  # fmt: skip
+        for ax in row_axes:
+            for frame, segment in _switch_frames(rows):
+                ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
+                ax.annotate(f"→{segment}", (frame, 1.0), xycoords=("data", "axes fraction"),
+                            xytext=(2, -2), textcoords="offset points", va="top",
+                            fontsize=5, color="0.35")  # fmt: skip
+            ax.set_ylim(-0.03, 1.03)
+            ax.grid(axis="y", color="0.92", linewidth=0.4)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+        run = f"{key[0]} · {key[1]} · " if titles else ""
+        name = _closed_loop_label(_policy_key(*key[2:9]))
+        row_axes[0].set_ylabel(f"L{int(key[9])}: mass on\nthe sink frames")
+        row_axes[1].set_ylabel("mass on the\nown block")
+        row_axes[0].set_title(f"{run}{name} · L{int(key[9])} · {label}", loc="left")
+    axes[-1, 0].set_xlabel("Query block's first latent frame")
+    axes[-1, 1].set_xlabel("Query block's first latent frame")
+    handles = legend_handles(fig.axes)
+    if any(_switch_frames(rows) for _, rows in groups):
+        handles["switch (→ segment it starts)"] = Line2D([], [], **SWITCH_STYLE)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=7)
+    note = f"\n{left_out} more (rollout, layer) rows in switches.csv" if left_out > 0 else ""
+    fig.suptitle(f"{SWITCHES_TITLE}{note}")
+    return fig
+
+
 # The table each closed-loop figure draws (`render_figures` reads it): the stacked frame tables
-# (deviation) or the summary; the collapse figure gets the block table as `blocks` too.
+# (deviation), the summary or the switch table; the collapse figure gets the block table as
+# `blocks` too.
 TABLES = {
     "plot_closed_loop_deviation": "deviation",
     "plot_closed_loop_recall": "summary",
     "plot_closed_loop_collapse": "deviation",
+    "plot_closed_loop_switches": "switches",
 }

@@ -23,6 +23,7 @@ from sinkscope.analysis.closed_loop import read_closed_loop_summary, read_deviat
 from sinkscope.analysis.diagnostics import read_block_diagnostics
 from sinkscope.analysis.policies import read_policies
 from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
+from sinkscope.analysis.switches import read_switch_table
 
 from . import closed_loop, compare, policy, run, survey
 from .common import (
@@ -92,6 +93,7 @@ def render_figures(
     deviation_tables: Sequence[str | os.PathLike] = (),
     closed_loop_summary: str | os.PathLike | None = None,
     closed_loop_blocks: str | os.PathLike | None = None,
+    closed_loop_switches: str | os.PathLike | None = None,
     train_frames: int | None = None,
     annotate: Sequence[str] = ("max",),
     titles: bool = True,
@@ -116,6 +118,7 @@ def render_figures(
     deviation tables `deviation_tables` (Contract 6, every run and policy: `closed_loop_deviation`)
     or the summary `closed_loop_summary` (`closed_loop_recall_deviation`), the collapse figure
     the frame tables and the block table `closed_loop_blocks` (`results/closed_loop/blocks.csv`),
+    the switch figure the switch table `closed_loop_switches` (`results/closed_loop/switches.csv`),
     with the training length `train_frames` (latent frames) marked; they need no frame dataset
     either.
 
@@ -136,7 +139,12 @@ def render_figures(
     if not datasets and any(kind.scope not in ("policies", "closed_loop") for kind in kinds):
         raise ValueError("no frame datasets given")
     tables = _closed_loop_tables(
-        kinds, deviation_tables, closed_loop_summary, train_frames, closed_loop_blocks
+        kinds,
+        deviation_tables,
+        closed_loop_summary,
+        train_frames,
+        closed_loop_blocks,
+        closed_loop_switches,
     )
     attention = [open_attention_store(path, key_tokens=True) for path in attention_stores]
     for ds in datasets:
@@ -210,9 +218,10 @@ def _closed_loop_tables(
     summary: str | os.PathLike | None,
     train_frames: int | None,
     blocks: str | os.PathLike | None = None,
+    switches: str | os.PathLike | None = None,
 ) -> dict[str, pd.DataFrame]:
     """The tables the closed-loop kinds of `kinds` draw, read and checked (none else); `blocks`:
-    the block table, for the kinds that take it (`blocks`)."""
+    the block table, for the kinds that take it (`blocks`); `switches`: the switch table."""
     wanted = {closed_loop.TABLES[kind.function] for kind in kinds if kind.scope == "closed_loop"}
     if train_frames is not None and (int(train_frames) != train_frames or train_frames < 1):
         raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
@@ -230,6 +239,10 @@ def _closed_loop_tables(
         if blocks is None:
             raise ValueError("closed-loop collapse figures need the block table (blocks.csv)")
         tables["blocks"] = read_block_diagnostics(blocks)
+    if "switches" in wanted:
+        if switches is None:
+            raise ValueError("closed-loop switch figures need the switch table (switches.csv)")
+        tables["switches"] = read_switch_table(switches)
     return tables
 
 
