@@ -283,3 +283,20 @@ def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
         f"checkpoint={c}, prompt={p}" for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
     }
     assert ("closed_loop", "checkpoint=demo_a, prompt=eagle") in jobs
+
+
+def test_the_demo_longlive_example_plans_on_the_embedded_default(tmp_path):
+    """examples/demo/longlive.yaml (README.md, "Prompts that change mid-video"): the demo DAG
+    with a two-segment prompt under LongLive's recache; its closed loop the caches the recache
+    runs on, against the full cache, and the switch table."""
+    root = copy_workflow(tmp_path / "w")
+    (root / "examples" / "demo").mkdir(parents=True)
+    name = "examples/demo/longlive.yaml"
+    (root / name).write_text((REPO / name).read_text())
+    jobs = planned_jobs(root, "--configfile", name)
+    assert ("encode_prompt", "prompt=story") in jobs
+    assert [w for rule, w in jobs if rule == "closed_loop"] == ["checkpoint=demo_a, prompt=story"]
+    result = snakemake(root, "-n", "--configfile", name)
+    for policy in ("full", "window", "sink_window"):
+        assert f"results/closed_loop/demo_a/story/{policy}/layer0.zarr" in result.stdout
+    assert "results/closed_loop/switches.csv" in result.stdout
