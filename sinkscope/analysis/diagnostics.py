@@ -274,20 +274,28 @@ def block_diagnostics(
     return table.reset_index(drop=True)
 
 
-def read_block_diagnostics(path: str | os.PathLike) -> pd.DataFrame:
-    """`results/closed_loop/blocks.csv` as `write_closed_loop_diagnostics` wrote it (an empty
-    layer or step stays NA, an empty pass_kind empty text); refuses, naming the file, one that
-    lacks a column."""
+def read_pass_table(path: str | os.PathLike, columns: Sequence[str], what: str) -> pd.DataFrame:
+    """A closed-loop table of `columns` with the run keys and a `pass_kind` (`what` in
+    messages): text columns stay text (an empty pass_kind empty text), the others numbers with
+    empty cells NaN; refuses, naming the file, one that lacks a column."""
     text = ["checkpoint", "prompt", "policy", "pass_kind"]
     table = pd.read_csv(
         path,
         keep_default_na=False,
-        na_values={c: ["", "nan", "NaN"] for c in BLOCK_DIAGNOSTIC_COLUMNS if c not in text},
+        na_values={c: ["", "nan", "NaN"] for c in columns if c not in text},
         dtype={column: str for column in text},
     )
-    missing = [column for column in BLOCK_DIAGNOSTIC_COLUMNS if column not in table.columns]
+    missing = [column for column in columns if column not in table.columns]
     if missing:
-        raise ValueError(f"{path}: not a closed-loop block table, it lacks the columns {missing}")
+        raise ValueError(f"{path}: not a {what}, it lacks the columns {missing}")
+    return table[list(columns)]
+
+
+def read_block_diagnostics(path: str | os.PathLike) -> pd.DataFrame:
+    """`results/closed_loop/blocks.csv` as `write_closed_loop_diagnostics` wrote it (an empty
+    layer or step stays NA, an empty pass_kind empty text); refuses, naming the file, one that
+    lacks a column."""
+    table = read_pass_table(path, BLOCK_DIAGNOSTIC_COLUMNS, "closed-loop block table").copy()
     for column in ("layer", "step"):
         table[column] = table[column].astype("Int64")
     return table[BLOCK_DIAGNOSTIC_COLUMNS]

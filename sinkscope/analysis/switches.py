@@ -25,7 +25,12 @@ import pandas as pd
 import zarr
 
 from sinkscope.analysis.closed_loop import RUN_KEYS
-from sinkscope.analysis.diagnostics import read_block_tables, rollout_folder, sink_frame_count
+from sinkscope.analysis.diagnostics import (
+    read_block_tables,
+    read_pass_table,
+    rollout_folder,
+    sink_frame_count,
+)
 from sinkscope.analysis.reduce import open_attention_store
 from sinkscope.analysis.slots import is_slot_store
 from sinkscope.cache_choices import KEY_KIND
@@ -171,14 +176,4 @@ def write_switch_table(
 def read_switch_table(path: str | os.PathLike) -> pd.DataFrame:
     """`results/closed_loop/switches.csv` as `write_switch_table` wrote it; refuses, naming the
     file, one that lacks a column."""
-    text = ["checkpoint", "prompt", "policy", "pass_kind"]
-    table = pd.read_csv(
-        path,
-        keep_default_na=False,
-        na_values={c: ["", "nan", "NaN"] for c in SWITCH_COLUMNS if c not in text},
-        dtype={column: str for column in text},
-    )
-    missing = [column for column in SWITCH_COLUMNS if column not in table.columns]
-    if missing:
-        raise ValueError(f"{path}: not a closed-loop switch table, it lacks the columns {missing}")
-    return table[SWITCH_COLUMNS]
+    return read_pass_table(path, SWITCH_COLUMNS, "closed-loop switch table")

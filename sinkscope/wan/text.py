@@ -185,33 +185,9 @@ class EncodedPrompt(NamedTuple):
     prompt_tokens: int  # tokens of the whole cleaned prompt, EOS included (> length: cut)
 
 
-@torch.no_grad()
-def encode_prompt(
-    text: str,
-    encoder: str | Path,
-    *,
-    tokenizer_dir: str | Path | None = None,
-    text_len: int = 512,
-    device: torch.device | str = "cpu",
-    on_truncate: str = "warn",
-    dtype: str = "auto",
-) -> EncodedPrompt:
-    """Embeddings [text_len, d_model] (float32, rows past the prompt zeroed) and token counts.
-
-    `encoder` is a transformers UMT5 directory (its tokenizer is used unless `tokenizer_dir` is
-    given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in float32 on CPU and
-    bfloat16 on CUDA, as Wan / Self-Forcing do (`dtype` "auto"), or in the `dtype` given. A
-    prompt longer than `text_len` tokens is cut to its first text_len - 1 and EOS, as Wan does:
-    `on_truncate` "warn" logs what was cut, "error" raises."""
-    (encoded,) = encode_prompts(
-        [text],
-        encoder,
-        tokenizer_dir=tokenizer_dir,
-        text_len=text_len,
-        device=device,
-        on_truncate=on_truncate,
-        dtype=dtype,
-    )
+def encode_prompt(text: str, encoder: str | Path, **options) -> EncodedPrompt:
+    """`encode_prompts` of one text."""
+    (encoded,) = encode_prompts([text], encoder, **options)
     return encoded
 
 
@@ -226,7 +202,14 @@ def encode_prompts(
     on_truncate: str = "warn",
     dtype: str = "auto",
 ) -> list[EncodedPrompt]:
-    """`encode_prompt` of each text (a prompt's segments), the encoder loaded once."""
+    """Per text (a prompt, or a prompt's segments; the encoder loaded once) its embeddings
+    [text_len, d_model] (float32, rows past the prompt zeroed) and token counts.
+
+    `encoder` is a transformers UMT5 directory (its tokenizer is used unless `tokenizer_dir` is
+    given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in float32 on CPU and
+    bfloat16 on CUDA, as Wan / Self-Forcing do (`dtype` "auto"), or in the `dtype` given. A
+    prompt longer than `text_len` tokens is cut to its first text_len - 1 and EOS, as Wan does:
+    `on_truncate` "warn" logs what was cut, "error" raises."""
     if on_truncate not in ("warn", "error"):
         raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
     from transformers import AutoTokenizer, UMT5EncoderModel
