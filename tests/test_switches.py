@@ -1,7 +1,9 @@
 """What changes at a prompt switch (`sinkscope.analysis.switches`, the `closed_loop_switches`
-figure): the switch table from stores over cache slots built here with xarray (known masses and
-slot kinds, a recache pass holding only the frames it re-encoded) against plain loops, and the
-figure's switch lines where the block positions put them."""
+figure): the switch table from stores over cache slots written here by the GPU job's writer
+(`SlotStoreWriter`: known masses and slot kinds, `switch_frames`, a recache pass holding only the
+frames each recache re-encoded, the later one where two overlap) against sums by hand over what
+was written, the store read in bounded runs, and the figure's switch lines where the switches
+are."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import xarray as xr
 
+from sinkscope.analysis import switches
 from sinkscope.analysis.plots.closed_loop import plot_closed_loop_switches
+from sinkscope.analysis.plots.common import save_figure
 from sinkscope.analysis.switches import (
     read_switch_table,
     switch_starts,
@@ -20,150 +23,220 @@ from sinkscope.analysis.switches import (
     write_switch_table,
 )
 from sinkscope.cache_choices import KEY_KIND
-from sinkscope.storage import mark_complete
 from sinkscope.tables import BLOCK_POSITION_COLUMNS, SWITCH_COLUMNS
 
 RUN = ("demo_a", "story")
-KEYS = ("sink_window", 6, 2, 0, 6, 0.0, 1.0)
+POLICIES = {  # policy -> run keys after the policy: a window of 6 frames, with 2 sinks or none
+    "sink_window": (6, 2, 0, 6, 0.0, 1.0),
+    "window": (6, 0, 0, 6, 0.0, 1.0),
+}
 FRAMES, BLOCK, T, HEADS = 12, 2, 3, 2
-SEGMENTS = [0, 0, 0, 1, 1, 2]  # per block: switches at frames 6 and 10
+SINKS = 2  # closed_loop.sink_frames: the window's first frames count as sinks while it holds them
+SWITCHES = [6, 10]
+SEGMENTS = [0, 0, 0, 1, 1, 2]  # per block
 STEPS = [(1000.0, "denoise"), (0.0, "cache"), (0.0, "recache")]
-RECACHED = {6: range(2, 6), 10: range(6, 10)}  # switch -> the frames its recache re-encodes
+RECACHED = {6: range(2, 6), 10: range(4, 10)}  # switch -> the frames its recache re-encodes
+ATTRS = {  # what the GPU job records of a prompt of segments
+    "switch_frames": SWITCHES,
+    "segments": [
+        {"text": text, "start": start, "flush": False, "cut": None}
+        for text, start in (("a cat", 0), ("a dog", 5), ("a bird", 9))
+    ],
+    "recache": True,
+    "global_sink": False,
+}
 
 
-def write_positions(folder: Path, segments=SEGMENTS) -> Path:
-    path = folder / "closed_loop" / RUN[0] / RUN[1] / f"{KEYS[0]}.blocks.csv"
+def rollout(folder: Path, policy: str) -> Path:
+    return folder / "closed_loop" / RUN[0] / RUN[1] / policy
+
+
+def write_positions(folder: Path, policy: str = "sink_window", segments=SEGMENTS) -> Path:
+    path = rollout(folder, policy).with_suffix(".blocks.csv")
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [
-        (*RUN, *KEYS, b, b * BLOCK, BLOCK, b * BLOCK, 0, segment)
+        (*RUN, policy, *POLICIES[policy], b, b * BLOCK, BLOCK, b * BLOCK, 0, segment)
         for b, segment in enumerate(segments)
     ]
     pd.DataFrame(rows, columns=BLOCK_POSITION_COLUMNS).to_csv(path, index=False)
     return path
 
 
-def write_store(folder: Path, layer: int, seed: int) -> xr.Dataset:
-    """A store over slots of a 6-frame window with 2 sinks: every pass of a query frame sees
-    [sinks | its 4 newest frames], kinds sink, recent, own; the recache pass only the frames
-    each recache re-encoded, its queries' own frames labelled own."""
+def held_frames(policy: str, step_kind: str, first: int, frames: range) -> tuple[list, list]:
+    """The frames a call's keys come from and their kinds, one slot per frame token."""
+    sinks = [0, 1] if policy == "sink_window" else []
+    if step_kind == "recache":
+        held = [*sinks, *frames]
+    else:
+        end = first + BLOCK
+        held = list(dict.fromkeys([*sinks, *range(max(0, end - 6 + len(sinks)), end)]))
+    # the sinks' label wins over own, as the caches label them
+    kinds = ["sink" if h in sinks else "own" if h in frames else "recent" for h in held]
+    return held, kinds
+
+
+def write_store(folder: Path, policy: str, layer: int, seed: int, attrs=ATTRS) -> tuple:
+    """A store over slots written as the closed loop writes it (blocks in order, each switch's
+    recache before the block it switches at). Returns the store and, per (step, head, query
+    frame), the mass, frame and kind of every slot as they must end up in it."""
+    from sinkscope.extraction.store import SlotStoreWriter
+
     rng = np.random.default_rng(seed)
-    slots = 6 * T
-    shape = (len(STEPS), HEADS, FRAMES, slots)
-    mass = np.full(shape, np.nan, np.float32)
-    frame = np.full(shape, -1, np.int32)
-    kind = np.full(shape, -1, np.int8)
-    for step, (_, pass_kind) in enumerate(STEPS):
-        for f in range(FRAMES):
-            if pass_kind == "recache":
-                span = next((r for r in RECACHED.values() if f in r), None)
-                if span is None:
-                    continue
-                held = [0, 1, *span]
-                own = set(span)
-            else:
-                end = (f // BLOCK + 1) * BLOCK
-                held = list(dict.fromkeys([0, 1, *range(max(0, end - 4), end)]))
-                own = set(range(end - BLOCK, end))
-            for i, h in enumerate(held):
-                frame[step, :, f, i * T : (i + 1) * T] = h
-                code = "sink" if h < 2 else "own" if h in own else "recent"
-                kind[step, :, f, i * T : (i + 1) * T] = KEY_KIND[code]
-            weights = rng.gamma(0.5, size=(HEADS, len(held) * T))
-            mass[step, :, f, : len(held) * T] = weights / weights.sum(axis=-1, keepdims=True)
-    dims = ("step", "head", "query_frame", "key_slot")
-    ds = xr.Dataset(
-        {
-            "key_mass": (dims, mass),
-            "key_logit_mean": (dims, np.zeros(shape, np.float32)),
-            "slot_frame": (dims, frame),
-            "slot_token": (dims, np.where(frame >= 0, 0, -1).astype(np.int32)),
-            "slot_position": (dims, frame),
-            "slot_kind": (dims, kind),
-            "entropy": (dims[:3], np.zeros(shape[:3], np.float32)),
-        },
-        coords={
-            "step": np.arange(len(STEPS)),
-            "head": np.arange(HEADS),
-            "query_frame": np.arange(FRAMES),
-            "key_slot": np.arange(slots),
-            "timestep": ("step", np.array([t for t, _ in STEPS], np.float32)),
-            "pass_kind": ("step", np.array([k for _, k in STEPS])),
-        },
-    )
-    path = folder / "closed_loop" / RUN[0] / RUN[1] / KEYS[0] / f"layer{layer}.zarr"
-    chunks = {"chunks": (1, HEADS, BLOCK, slots)}
-    encoding = {name: chunks for name in ("key_mass", "slot_kind", "slot_frame")}
-    ds.to_zarr(path, zarr_format=3, mode="w", consolidated=False, encoding=encoding)
-    attrs = {"checkpoint": RUN[0], "prompt": RUN[1], "layer": layer, "key_axis": "slot"}
-    attrs |= {"latent_grid": [FRAMES, 1, T], "frame_seq_length": T, "num_frames": FRAMES}
-    mark_complete(path, {**attrs, "block_sizes": [BLOCK] * (FRAMES // BLOCK)})
-    return ds
+    slots = 8 * T
+    mass = np.full((len(STEPS), HEADS, FRAMES, slots), np.nan)
+    frame = np.full(mass.shape, -1)
+    kind = np.full(mass.shape, -1)
+    path = rollout(folder, policy) / f"layer{layer}.zarr"
+    store_attrs = {"checkpoint": RUN[0], "prompt": RUN[1], "layer": layer, "key_axis": "slot"}
+    store_attrs |= {"latent_grid": [FRAMES, 1, T], "frame_seq_length": T, "num_frames": FRAMES}
+    store_attrs |= {"block_sizes": [BLOCK] * (FRAMES // BLOCK), **attrs}
+
+    def call(writer, step: int, first: int, frames: range) -> None:
+        held, kinds = held_frames(policy, STEPS[step][1], first, frames)
+        keys = len(held) * T
+        values = rng.gamma(0.5, size=(HEADS, len(frames), keys))
+        values /= values.sum(axis=-1, keepdims=True)
+        labels = {
+            "slot_frame": np.repeat(held, T).astype(np.int32),
+            "slot_token": np.tile(np.arange(T), len(held)).astype(np.int32),
+            "slot_position": np.repeat(held, T).astype(np.int32),
+            "slot_kind": np.repeat([KEY_KIND[k] for k in kinds], T).astype(np.int8),
+        }
+        entropy = np.zeros((HEADS, len(frames)))
+        writer.write_slots(step, first, values.astype(np.float32), entropy, 0 * values, labels)
+        rows = slice(frames[0], frames[-1] + 1)
+        mass[step, :, rows] = np.nan
+        mass[step, :, rows, :keys] = values.astype(np.float32)
+        frame[step, :, rows] = -1
+        frame[step, :, rows, :keys] = labels["slot_frame"]
+        kind[step, :, rows, :keys] = labels["slot_kind"]
+
+    with SlotStoreWriter(
+        path,
+        slots=slots,
+        frames_per_block=BLOCK,
+        num_heads=HEADS,
+        num_frames=FRAMES,
+        frame_seq_length=T,
+        timesteps=[t for t, _ in STEPS],
+        pass_kinds=[k for _, k in STEPS],
+        attrs=store_attrs,
+    ) as writer:
+        for first in range(0, FRAMES, BLOCK):
+            if first in RECACHED and attrs.get("recache"):
+                call(writer, 2, RECACHED[first][0], RECACHED[first])
+            for step in (0, 1):
+                call(writer, step, first, range(first, first + BLOCK))
+    return path, mass, frame, kind
 
 
-def plain_rows(ds: xr.Dataset, layer: int) -> dict:
-    """(layer, step, head, block) -> (sink mass, own mass), by loops over slots."""
-    mass, kind = ds["key_mass"].values, ds["slot_kind"].values
+def sums_by_hand(policy: str, layer: int, mass, frame, kind) -> dict:
+    """(policy, layer, step, head, block) -> (sink mass, own mass) of every block a pass
+    captured whole: per query frame the sums over its slots, then the mean over the block."""
     rows = {}
     for step in range(len(STEPS)):
         for head in range(HEADS):
             for b in range(FRAMES // BLOCK):
-                sums = {"sink": [], "own": []}
+                per_frame = []
                 for f in range(b * BLOCK, (b + 1) * BLOCK):
-                    if (kind[step, head, f] < 0).all():
-                        break
-                    for name in sums:
-                        code = KEY_KIND[name]
-                        sums[name].append(
-                            sum(
-                                float(mass[step, head, f, s])
-                                for s in range(mass.shape[-1])
-                                if kind[step, head, f, s] == code
-                            )
-                        )
+                    if (frame[step, head, f] < 0).all():
+                        break  # not captured by this pass
+                    sink = own = 0.0
+                    for s in range(mass.shape[-1]):
+                        k, owner = kind[step, head, f, s], frame[step, head, f, s]
+                        if k == KEY_KIND["own"]:
+                            own += mass[step, head, f, s]
+                        elif k == KEY_KIND["sink"] or 0 <= owner < SINKS:
+                            sink += mass[step, head, f, s]
+                    per_frame.append((sink, own))
                 else:
-                    rows[layer, step, head, b] = tuple(
-                        sum(v) / len(v) for v in (sums["sink"], sums["own"])
-                    )
+                    rows[policy, layer, step, head, b] = tuple(np.mean(per_frame, axis=0))
     return rows
 
 
-def test_the_switch_table_is_the_plain_sums(tmp_path):
-    positions = write_positions(tmp_path)
-    stores = {layer: write_store(tmp_path, layer, seed=layer) for layer in (0, 3)}
-    paths = [tmp_path / f"closed_loop/{RUN[0]}/{RUN[1]}/{KEYS[0]}/layer{n}.zarr" for n in stores]
+def test_the_switch_table_is_the_sums_by_hand(tmp_path):
+    stores, want = [], {}
+    for policy, layer, seed in (("sink_window", 0, 1), ("sink_window", 3, 2), ("window", 0, 3)):
+        path, *written = write_store(tmp_path, policy, layer, seed)
+        stores.append(path)
+        want |= sums_by_hand(policy, layer, *written)
+    positions = [write_positions(tmp_path, policy) for policy in POLICIES]
     out = tmp_path / "switches.csv"
-    written = write_switch_table([positions], paths, out)
+    written = write_switch_table(positions, stores, out, SINKS)
     table = read_switch_table(out)
     assert list(table.columns) == SWITCH_COLUMNS and len(table) == len(written)
-    want = {}
-    for layer, ds in stores.items():
-        want |= plain_rows(ds, layer)
+    pd.testing.assert_frame_equal(table, written, check_dtype=False)
     got = {
-        (r.layer, r.step, r.head, r.block): (r.sink_mass, r.own_mass)
+        (r.policy, r.layer, r.step, r.head, r.block): (r.sink_mass, r.own_mass)
         for r in table.itertuples(index=False)
     }
     assert set(got) == set(want)
     for key, values in want.items():
         np.testing.assert_allclose(got[key], values, rtol=1e-6, err_msg=str(key))
-    # The recache pass: only the blocks each recache re-encoded (frames 2-5 and 6-9).
-    recache = table[table["pass_kind"] == "recache"]
+    assert (table["sink_mass"] + table["own_mass"] <= 1 + 1e-6).all()
+    # A window without sinks: its first frames are the sinks while it holds them, but not for
+    # the block that is those frames (its own), and not once they left the window.
+    window = table[(table["policy"] == "window") & (table["step"] == 0) & (table["head"] == 0)]
+    assert window["sink_mass"].iloc[0] == 0 and window["own_mass"].iloc[0] == pytest.approx(1)
+    assert (window["sink_mass"].iloc[1:3] > 0).all() and (window["sink_mass"].iloc[3:] == 0).all()
+    # The recache pass: only the blocks the recaches re-encoded (frames 2-5, then 4-9).
+    recache = table[(table["pass_kind"] == "recache") & (table["layer"] == 0)]
     assert sorted(set(recache["block"])) == [1, 2, 3, 4]
-    rows = table[(table["layer"] == 0) & (table["step"] == 0) & (table["head"] == 0)]
+    assert (recache["timestep"] == 0).all() and (recache["step"] == 2).all()
+    rows = table[(table["policy"] == "sink_window") & (table["layer"] == 0)]
+    rows = rows[(rows["step"] == 0) & (rows["head"] == 0)]
     assert rows["segment"].tolist() == SEGMENTS
-    since = rows["frames_since_switch"].tolist()
-    assert np.isnan(since[:3]).all() and since[3:] == [0, 2, 0]
-    assert (table["checkpoint"] == RUN[0]).all() and (table["policy"] == KEYS[0]).all()
+    assert rows["frames_since_switch"].tolist()[3:] == [0, 2, 0]
+    assert rows["frames_since_switch"].iloc[:3].isna().all()
+    assert table["frames_since_switch"].dtype == "Int64"
+    text = pd.read_csv(out, dtype=str, keep_default_na=False)["frames_since_switch"]
+    assert set(text) == {"", "0", "2"}  # whole numbers, never 2.0
+    assert (table["checkpoint"] == RUN[0]).all() and (table["prompt"] == RUN[1]).all()
 
 
-def test_switch_starts_and_plain_prompts(tmp_path):
+class CountingArray:
+    """A zarr array that records how many query frames each read asks for."""
+
+    def __init__(self, array, reads: list):
+        self.array, self.reads = array, reads
+        self.shape, self.chunks, self.dtype = array.shape, array.chunks, array.dtype
+
+    def __getitem__(self, key):
+        rows = key[2]
+        self.reads.append(rows.stop - rows.start)
+        return self.array[key]
+
+
+def test_a_store_is_read_in_runs_of_whole_chunks(tmp_path, monkeypatch):
+    path, *_ = write_store(tmp_path, "sink_window", 0, seed=4)
+    positions = write_positions(tmp_path)
+    whole = switch_table([positions], [path], SINKS)
+    reads: list[int] = []
+    open_group = switches.zarr.open_group
+
+    def counting(*args, **kwargs):
+        group = open_group(*args, **kwargs)
+        return {name: CountingArray(group[name], reads) for name in group.array_keys()}
+
+    monkeypatch.setattr(switches.zarr, "open_group", counting)
+    monkeypatch.setattr(switches, "_READ_BYTES", 1)  # one chunk of query frames at a time
+    pd.testing.assert_frame_equal(switch_table([positions], [path], SINKS), whole)
+    assert reads and max(reads) == BLOCK  # a chunk: never the whole store
+    # one read per array and chunk, all passes at once (a chunk holds every pass of a block)
+    assert len(reads) == 3 * FRAMES // BLOCK
+
+
+def test_plain_prompts_old_tables_and_refusals(tmp_path):
     blocks = pd.DataFrame({"block": range(6), "first_frame": range(0, 12, 2), "segment": SEGMENTS})
-    assert switch_starts(blocks) == [6, 10]
+    assert switch_starts(blocks) == SWITCHES
+    plain = {}  # a plain prompt's store records no schedule
     positions = write_positions(tmp_path, segments=[0] * 6)
-    write_store(tmp_path, 0, seed=1)
-    store = tmp_path / f"closed_loop/{RUN[0]}/{RUN[1]}/{KEYS[0]}/layer0.zarr"
+    store, *_ = write_store(tmp_path, "sink_window", 0, seed=1, attrs=plain)
     table = switch_table([positions], [store])
     assert (table["segment"] == 0).all() and table["frames_since_switch"].isna().all()
+    assert set(table["pass_kind"]) == {"denoise", "cache"}  # no recache: its slot stays empty
     assert switch_table([positions], []).empty
+    assert list(switch_table([positions], []).columns) == SWITCH_COLUMNS
     # Block positions from before prompt switches have no segment column: one prompt.
     old = pd.read_csv(positions).drop(columns="segment")
     old.to_csv(positions, index=False)
@@ -173,27 +246,86 @@ def test_switch_starts_and_plain_prompts(tmp_path):
         switch_table([positions], [store])
     with pytest.raises(ValueError, match="no block-position table of its rollout"):
         switch_table([], [store])
+    # A store and block positions of different schedules: refused, naming both.
+    write_positions(tmp_path)
+    with pytest.raises(ValueError, match=r"switch_frames \[\] .*blocks.csv.* \[6, 10\]"):
+        switch_table([positions], [store])
 
 
 def test_the_figure_marks_the_switches_and_draws_every_head(tmp_path):
     positions = write_positions(tmp_path)
-    write_store(tmp_path, 0, seed=0)
-    store = tmp_path / f"closed_loop/{RUN[0]}/{RUN[1]}/{KEYS[0]}/layer0.zarr"
-    table = switch_table([positions], [store])
+    store, *_ = write_store(tmp_path, "sink_window", 0, seed=0)
+    table = switch_table([positions], [store], SINKS)
     fig = plot_closed_loop_switches(table)
     axes = fig.axes[:2]  # one (rollout, layer) row: sink mass, own mass
     for ax in axes:
-        switches = [line.get_xdata()[0] for line in ax.lines if line.get_label() == "_switch"]
-        assert switches == [6, 10]
+        marks = [line.get_xdata()[0] for line in ax.lines if line.get_label() == "_switch"]
+        assert marks == SWITCHES
+        labels = [(text.get_text(), text.xy[0]) for text in ax.texts]
+        assert labels == [("→1", 6), ("→2", 10)]
         heads = [line for line in ax.lines if line.get_label().startswith("head")]
         assert len(heads) == HEADS
         # the first captured denoising pass: step 0, every block
         assert heads[0].get_xdata().tolist() == list(range(0, FRAMES, BLOCK))
     first = table[(table["step"] == 0) & (table["head"] == 0)].sort_values("block")
-    sink_line = next(line for line in axes[0].lines if line.get_label() == "head 0")
-    np.testing.assert_allclose(sink_line.get_ydata(), first["sink_mass"])
+    for ax, column in zip(axes, ("sink_mass", "own_mass"), strict=True):
+        line = next(line for line in ax.lines if line.get_label() == "head 0")
+        np.testing.assert_allclose(line.get_ydata(), first[column])
     assert "t=1000" in axes[0].get_title(loc="left")
+    assert "demo_a · story" in fig.get_suptitle()  # one run: named once
+    assert "demo_a" not in axes[0].get_title(loc="left")
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert texts == ["head 0", "head 1", "switch (→ segment it starts)"]
+    untitled = plot_closed_loop_switches(table, titles=False)
+    assert "demo_a" not in untitled.get_suptitle()
+    svg = save_figure(fig, tmp_path / "closed_loop_switches.svg")
+    assert "→1" in svg.read_text() and "sink frames" in svg.read_text()
     empty = plot_closed_loop_switches(table.iloc[:0])
     assert "no attention captured" in empty.axes[0].texts[0].get_text()
+    assert save_figure(empty, tmp_path / "empty.svg").stat().st_size > 1000
+
+
+def test_a_closed_loop_rollout_of_two_segments(tmp_path):
+    """The GPU job's own outputs (a tiny model's LongLive rollout, window 4 with 2 sinks, a
+    switch at frame 4 and its recache without global_sink): the stores' switch_frames are where
+    the block positions change segment, and the recache rows are the blocks it re-encoded."""
+    import torch
+
+    from sinkscope.extraction.closed_loop import closed_loop
+    from sinkscope.segments import Segment
+    from sinkscope.wan.text import EncodedPrompt, save_prompt_segments
+
+    from .conftest import make_tiny_model
+    from .test_capture import _write_inputs
+
+    video = {"num_frames": 8, "frames_per_block": 2, "latent_height": 4, "latent_width": 6}
+    _, settings = _write_inputs(tmp_path, video=video)
+    cfg = make_tiny_model(seed=4).config
+    g = torch.Generator().manual_seed(2)
+    texts = [torch.randn(cfg.text_len, cfg.text_dim, generator=g) for _ in range(2)]
+    prompt = tmp_path / "story.safetensors"
+    segments = [Segment("first", 0), Segment("second", 3)]  # acts at the block at 4
+    save_prompt_segments(prompt, [EncodedPrompt(t, 5, 5) for t in texts], segments)
+    sampler = {"recache": True, "local_attn_size": 4, "sink_size": 2, "global_sink": False}
+    settings["sampler"] |= sampler
+    folder = rollout(tmp_path, "sink_window")
+    folder.parent.mkdir(parents=True)
+    closed_loop(
+        checkpoint_name=RUN[0],
+        prompt_name=RUN[1],
+        prompt_embeddings=prompt,
+        settings={**settings, "policy": {"name": "sink_window", "budget": 4, "sink_frames": 2}},
+        latents_path=folder.with_suffix(".safetensors"),
+        table_path=folder.with_suffix(".csv"),
+        blocks_path=folder.with_suffix(".blocks.csv"),
+        layers=[0],
+        stores=[folder / "layer0.zarr"],
+        progress=False,
+    )
+    table = switch_table([folder.with_suffix(".blocks.csv")], [folder / "layer0.zarr"], 2)
+    first = table[table["step"] == 0].drop_duplicates("block")
+    assert first["segment"].tolist() == [0, 0, 1, 1]
+    assert first["frames_since_switch"].tolist()[2:] == [0, 2]
+    assert sorted(set(table.loc[table["pass_kind"] == "recache", "block"])) == [0, 1]
+    assert (table["sink_mass"] + table["own_mass"] <= 1 + 1e-6).all()
+    assert ((table["sink_mass"] > 0) & (table["own_mass"] > 0)).any()

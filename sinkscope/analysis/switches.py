@@ -6,12 +6,16 @@ Per (rollout, captured layer, captured pass, head, query block the pass captured
 the block's query frames of the mass on the sink frames (`sink_mass`: the keys its cache labels
 `sink`, so after a LongLive recache without global_sink the frames the recache wrote into the
 sink slots, and the diagnostics' sink frames, `closed_loop.sink_frames`, where a cache without
-sinks still holds them) and on the keys it labels `own` (`own_mass`: the block's own frames; in
-a recache pass, the frames it re-encodes), beside the block's prompt `segment` and its distance
-in frames from the latest switch (`frames_since_switch`). The segments are the block
-positions' (each block's `segment`, as the GPU job recorded it; a plain prompt's blocks are all
-segment 0), the switches the blocks where it changes. Stores are read one pass and a bounded run
-of query frames at a time, as `diagnostics.store_sink_mass` reads them.
+sinks still holds them, but for the block's own) and on the keys it labels `own` (`own_mass`:
+the block's own frames; in a recache pass, the frames it re-encodes): no key counts for both,
+so the two sum to at most 1. Beside them the block's prompt `segment` and its distance in
+frames from the latest switch (`frames_since_switch`, nullable integers). The segments are the
+block positions' (each block's `segment`, as the GPU job recorded it; a plain prompt's blocks
+are all segment 0, as are those of a table from before switches), the switches the blocks where
+it changes, which must be the store's `switch_frames` (none recorded: a plain prompt). Stores
+are read a chunk's passes and a bounded run of query frames at a time (a chunk of the GPU job's
+holds every pass of a block, so each is decompressed once), as `diagnostics.store_sink_mass`
+bounds its reads.
 """
 
 from __future__ import annotations
@@ -42,29 +46,35 @@ _READ_BYTES = 64 << 20  # key_mass and slot_kind bytes read at once from a store
 
 def store_sink_own_mass(path: str | os.PathLike, sink_frames: int) -> tuple[np.ndarray, np.ndarray]:
     """The mass [step, head, query_frame] (float64) of the store over cache slots at `path` on
-    the sink frames (the slots labelled `sink`, and those holding a frame below `sink_frames`:
-    the first frames of a cache without sinks, as the collapse diagnostics count them) and on
-    the own block (slots labelled `own`): nansums of `key_mass`, NaN where the pass saw no slot
-    for the query frame."""
+    the sink frames (the slots labelled `sink`, and those holding a frame below `sink_frames`
+    that are not the query's own block: the first frames of a cache without sinks, as the
+    collapse diagnostics count them) and on the own block (slots labelled `own`): nansums of
+    `key_mass`, NaN where the pass saw no slot for the query frame. The two never share a slot,
+    so they sum to at most 1. Reads the passes a chunk holds together (the GPU job's chunks hold
+    every pass of a block: one decompression each) and a bounded run of query frames."""
     group = zarr.open_group(str(path), mode="r")
     key_mass, slot_kind, slot_frame = group["key_mass"], group["slot_kind"], group["slot_frame"]
     steps, heads, frames, slots = key_mass.shape
+    passes = max(1, int(key_mass.chunks[0]))  # read together: a chunk decompresses whole
     chunk = max(1, int(key_mass.chunks[2]))
     item = key_mass.dtype.itemsize + slot_kind.dtype.itemsize + slot_frame.dtype.itemsize
-    run = chunk * max(1, _READ_BYTES // max(heads * slots * item * chunk, 1))  # whole chunks
+    per_chunk = passes * heads * slots * item * chunk
+    run = chunk * max(1, _READ_BYTES // max(per_chunk, 1))  # whole chunks
     sink, own = (np.full((steps, heads, frames), np.nan) for _ in range(2))
-    for step in range(steps):
+    for first_step in range(0, steps, passes):
+        some = slice(first_step, min(first_step + passes, steps))
         for first in range(0, frames, run):
             rows = slice(first, min(first + run, frames))
-            values = np.asarray(key_mass[step, :, rows], dtype=np.float64)
-            values = np.where(np.isnan(values), 0.0, values)
-            kind = np.asarray(slot_kind[step, :, rows])
-            owner = np.asarray(slot_frame[step, :, rows])
+            values = np.asarray(key_mass[some, :, rows])
+            values = np.where(np.isnan(values), values.dtype.type(0), values)
+            kind = np.asarray(slot_kind[some, :, rows])
+            owner = np.asarray(slot_frame[some, :, rows])
             seen = (owner >= 0).any(axis=-1)
-            is_sink = (kind == KEY_KIND["sink"]) | ((owner >= 0) & (owner < sink_frames))
-            for mass, chosen in ((sink, is_sink), (own, kind == KEY_KIND["own"])):
-                total = np.where(chosen, values, 0.0).sum(axis=-1)
-                mass[step, :, rows] = np.where(seen, total, np.nan)
+            is_own = kind == KEY_KIND["own"]
+            is_sink = (kind == KEY_KIND["sink"]) | ((owner >= 0) & (owner < sink_frames) & ~is_own)
+            for mass, chosen in ((sink, is_sink), (own, is_own)):
+                total = np.where(chosen, values, 0).sum(axis=-1, dtype=np.float64)
+                mass[some, :, rows] = np.where(seen, total, np.nan)
     return sink, own
 
 
@@ -89,13 +99,21 @@ def store_switch_rows(
 ) -> pd.DataFrame:
     """The `SWITCH_COLUMNS` rows of one store over cache slots of the rollout whose block
     positions are `blocks` (one rollout of `read_block_tables`); `sink_frames`: the
-    diagnostics' sink frames (`diagnostics.sink_frame_count`: 0 is the first block's)."""
+    diagnostics' sink frames (`diagnostics.sink_frame_count`: 0 is the first block's). Refuses,
+    naming both, a store whose `switch_frames` are not where the blocks change segment."""
     ds = open_attention_store(path)
     if not is_slot_store(ds):
         raise ValueError(f"attention store {path}: its keys are not cache slots (key_axis)")
     attrs = decoded_attrs(ds)
     blocks = blocks.sort_values("block")
     switches = switch_starts(blocks)
+    recorded = store_switch_frames(attrs)
+    if recorded != switches:
+        table = f" ({blocks['source'].iloc[0]})" if "source" in blocks else ""
+        raise ValueError(
+            f"attention store {path}: its switch_frames {recorded} are not the frames where its "
+            f"rollout's block positions{table} change segment, {switches}"
+        )
     first_block = int(blocks["frames"].iloc[0])
     sink, own = store_sink_own_mass(path, sink_frame_count(sink_frames, first_block))
     timestep = ds["timestep"].values.astype(np.float64)
@@ -108,7 +126,7 @@ def store_switch_rows(
         if first + count > sink.shape[2]:
             raise ValueError(f"attention store {path}: block {block} is past its query frames")
         before = [switch for switch in switches if switch <= first]
-        since = first - before[-1] if before else np.nan
+        since = first - before[-1] if before else pd.NA
         sink_mass, own_mass = _block_means(sink, first, count), _block_means(own, first, count)
         for step in range(steps):
             for head in range(heads):
@@ -131,7 +149,19 @@ def store_switch_rows(
                         "own_mass": float(own_mass[step, head]),
                     }
                 )
-    return pd.DataFrame(rows, columns=SWITCH_COLUMNS)
+    return _typed(pd.DataFrame(rows, columns=SWITCH_COLUMNS))
+
+
+def store_switch_frames(attrs: dict) -> list[int]:
+    """The latent frames where a store's segments 1.. take effect (its `switch_frames`
+    attribute, `decoded_attrs`); none for a plain prompt and a store from before switches."""
+    return [int(frame) for frame in np.atleast_1d(attrs.get("switch_frames", []))]
+
+
+def _typed(table: pd.DataFrame) -> pd.DataFrame:
+    """`frames_since_switch` as nullable integers: written as whole numbers or empty."""
+    table["frames_since_switch"] = table["frames_since_switch"].astype("Int64")
+    return table
 
 
 def switch_table(
@@ -153,7 +183,8 @@ def switch_table(
         if rollout is None:
             raise ValueError(f"attention store {store}: no block-position table of its rollout")
         parts.append(store_switch_rows(store, rollout, sink_frames))
-    table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=SWITCH_COLUMNS)
+    empty = _typed(pd.DataFrame(columns=SWITCH_COLUMNS))
+    table = pd.concat(parts, ignore_index=True) if parts else empty
     table = table.sort_values(
         [*RUN_KEYS, "layer", "step", "block", "head"], kind="stable", ignore_index=True
     )
@@ -174,6 +205,6 @@ def write_switch_table(
 
 
 def read_switch_table(path: str | os.PathLike) -> pd.DataFrame:
-    """`results/closed_loop/switches.csv` as `write_switch_table` wrote it; refuses, naming the
-    file, one that lacks a column."""
-    return read_pass_table(path, SWITCH_COLUMNS, "closed-loop switch table")
+    """`results/closed_loop/switches.csv` as `write_switch_table` wrote it (`frames_since_switch`
+    nullable integers); refuses, naming the file, one that lacks a column."""
+    return _typed(read_pass_table(path, SWITCH_COLUMNS, "closed-loop switch table").copy())

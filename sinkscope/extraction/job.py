@@ -63,7 +63,8 @@ class RolloutPlan:
     cuts: tuple[int | None, ...] = ()
     recache: bool = False
     global_sink: bool = True
-    capture_spec: object = "all"  # capture.passes as given, resolved again for a schedule
+    # capture.passes as given ('all', 'cache', an index, a list), resolved again for a schedule
+    capture_spec: str | int | list = "all"
 
     @classmethod
     def from_settings(cls, settings: dict) -> RolloutPlan:

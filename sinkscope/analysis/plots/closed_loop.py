@@ -625,8 +625,10 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     against the block's first latent frame, in the first captured denoising pass, one row per
     captured (rollout, layer) of the switch table (`analysis.switches`; the rollouts of the runs
     whose prompt switches when any does, at most `SWITCH_ROWS` rows); one line per head, a dashed
-    line at every switch labelled with the segment it starts. A recache pass is not drawn (it
-    queries the frames before a switch again: the table has it)."""
+    line at every switch labelled with the segment it starts. A single run is named in the
+    figure's title (not at all without `titles`: the caption names it), several in each row's.
+    A recache pass is not drawn (it queries the frames before a switch again: the table has
+    it)."""
     fig = Figure(figsize=(FULL_WIDTH_IN, 1.0), layout="constrained")
     if table.empty:
         fig.set_figheight(2.0)
@@ -644,6 +646,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     )
     left_out = len(groups) - SWITCH_ROWS
     groups = groups[:SWITCH_ROWS]
+    runs = sorted({(str(key[0]), str(key[1])) for key, _ in groups})  # named once when one
     heads = sorted({int(head) for head in shown["head"]})
     colors = dict(zip(heads, series_colors(len(heads)), strict=True))
     fig.set_figheight(1.45 * len(groups) + 1.1)
@@ -662,11 +665,12 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
                 ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
                 ax.annotate(f"→{segment}", (frame, 1.0), xycoords=("data", "axes fraction"),
                             xytext=(2, -2), textcoords="offset points", va="top",
-                            fontsize=5, color="0.35")  # fmt: skip
-            ax.set_ylim(-0.03, 1.03)
+                            fontsize=6, color="0.35")  # fmt: skip
+            ax.set_ylim(-0.03, 1.16)  # room above 1 for the switches' labels
+            ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
             ax.grid(axis="y", color="0.92", linewidth=0.4)
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
-        run = f"{key[0]} · {key[1]} · " if titles else ""
+        run = f"{key[0]} · {key[1]} · " if len(runs) > 1 else ""
         name = _closed_loop_label(_policy_key(*key[2:9]))
         row_axes[0].set_ylabel(f"L{int(key[9])}: mass on\nthe sink frames")
         row_axes[1].set_ylabel("mass on the\nown block")
@@ -678,7 +682,8 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
         handles["switch (→ segment it starts)"] = Line2D([], [], **SWITCH_STYLE)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=7)
     note = f"\n{left_out} more (rollout, layer) rows in switches.csv" if left_out > 0 else ""
-    fig.suptitle(f"{SWITCHES_TITLE}{note}")
+    where = f"\n{runs[0][0]} · {runs[0][1]}" if titles and len(runs) == 1 else ""
+    fig.suptitle(f"{SWITCHES_TITLE}{where}{note}")
     return fig
 
 
