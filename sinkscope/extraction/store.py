@@ -598,8 +598,8 @@ class SlotStoreWriter(AttentionStoreWriter):
         rows = self._blocks[first_query_frame]
         self._fill(rows, step, key_mass, key_logit_mean, labels, keys)
         self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
-        last = max(i for i, kind in enumerate(self.pass_kinds) if kind != "recache")
-        if step == last:
+        regular = [i for i, kind in enumerate(self.pass_kinds) if kind != "recache"]
+        if step == regular[-1]:
             self._flush(first_query_frame)
 
     def _rows(self, steps: int, heads: int, frames: int) -> dict[str, np.ndarray]:
