@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sinkscope.segments import segment_of_frame
+
 SAMPLER_KINDS = ("self_forcing", "rolling")
 CALL_KINDS = ("denoise", "cache", "recache")
 
@@ -91,12 +93,14 @@ class ModelCall:
     `recache` (LongLive's clean pass at t = 0 over frames already generated, under a new prompt);
     the parts are the frames queried, oldest first, over contiguous frames. `segment`: the prompt
     segment whose text the call reads; `rope_cut`: Infinity-RoPE's cut, the RoPE position of the
-    call's first query frame (None: the cache's own)."""
+    call's first query frame (None: the cache's own); `global_sink`: a recache's LongLive setting
+    (True: the sink slots keep their frames)."""
 
     kind: str
     parts: tuple[BlockPart, ...]
     segment: int = 0
     rope_cut: int | None = None
+    global_sink: bool = True
 
     @property
     def start(self) -> int:
@@ -299,14 +303,15 @@ def with_switches(
     *,
     recache_frames: int | None = None,
     recache_slot: int | None = None,
+    global_sink: bool = True,
     cuts: Sequence[int | None] = (),
 ) -> list[ModelCall]:
     """Self-Forcing's `calls` under a prompt schedule: every call of the block starting at or
     after switch i (a block start) reads segment i + 1; with `recache_frames` (LongLive's
     recache: the window B, -1 for every frame) a `recache` call before the first call of each
     switch's block c re-encodes the clean frames c - n .. c - 1, n = min(B, c), split by block,
-    on the pass axis' `recache_slot`; `cuts[i]` (Infinity-RoPE's `#`): every call of that block
-    sits at RoPE position cuts[i]."""
+    on the pass axis' `recache_slot`, with LongLive's `global_sink`; `cuts[i]` (Infinity-RoPE's
+    `#`): every call of that block sits at RoPE position cuts[i]."""
     starts = block_starts_of(block_sizes)
     ends = [start + size for start, size in zip(starts, block_sizes, strict=True)]
     if any(switch not in starts or switch == 0 for switch in switches):
@@ -320,15 +325,19 @@ def with_switches(
         if len(call.parts) != 1:
             raise ValueError("prompt switches run on Self-Forcing's calls of one block")
         start = call.start
-        segment = sum(1 for switch in switches if switch <= start)
+        segment = segment_of_frame(switches, start)
         if start in switches and start not in seen and recache_frames is not None:
-            out.append(_recache_call(starts, ends, start, recache_frames, recache_slot, segment))
+            out.append(
+                _recache_call(
+                    starts, ends, start, recache_frames, recache_slot, segment, global_sink
+                )
+            )
         seen.add(start)
         out.append(ModelCall(call.kind, call.parts, segment, cut_at.get(start)))
     return out
 
 
-def _recache_call(starts, ends, switch, recache_frames, slot, segment) -> ModelCall:
+def _recache_call(starts, ends, switch, recache_frames, slot, segment, global_sink) -> ModelCall:
     n = switch if recache_frames == -1 else min(recache_frames, switch)
     first = switch - n
     parts = []
@@ -336,4 +345,4 @@ def _recache_call(starts, ends, switch, recache_frames, slot, segment) -> ModelC
         lo, hi = max(start, first), min(end, switch)
         if lo < hi:
             parts.append(BlockPart(block, lo, hi - lo, None, slot))
-    return ModelCall("recache", tuple(parts), segment)
+    return ModelCall("recache", tuple(parts), segment, global_sink=global_sink)

@@ -132,6 +132,7 @@ def switching_rollout(model, text, geo, starts, caches, *, recache=None, global_
         switches,
         recache_frames=recache,
         recache_slot=5,
+        global_sink=global_sink,
         cuts=cuts,
     )
     seen, current = {}, []
@@ -165,7 +166,6 @@ def switching_rollout(model, text, geo, starts, caches, *, recache=None, global_
             progress=False,
             caches=caches,
             calls=calls,
-            global_sink=global_sink,
             on_call=on_call,
         )
     finally:

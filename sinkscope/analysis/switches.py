@@ -86,9 +86,10 @@ def _block_means(mass: np.ndarray, first: int, count: int) -> np.ndarray:
 
 
 def switch_starts(blocks: pd.DataFrame) -> list[int]:
-    """The first frames of the blocks where a rollout's prompt segment changes (its block
-    positions, one rollout of `read_block_tables`): the switches."""
-    blocks = blocks.sort_values("block")
+    """The first frames of the blocks where a rollout's prompt segment changes: the switches, from
+    rows of one rollout with `block`, `first_frame` and `segment` (its block positions,
+    `read_block_tables`, or its rows of a table with several per block)."""
+    blocks = blocks.drop_duplicates("block").sort_values("block")
     segment = blocks["segment"].to_numpy()
     changed = np.flatnonzero(segment[1:] != segment[:-1]) + 1
     return [int(frame) for frame in blocks["first_frame"].to_numpy()[changed]]

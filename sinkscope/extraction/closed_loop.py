@@ -389,7 +389,6 @@ def _roll_out(
                 progress=progress,
                 caches=caches,
                 calls=calls,
-                global_sink=plan.global_sink,
             )[0]
         finally:
             model.set_capture(None)

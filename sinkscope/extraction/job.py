@@ -109,12 +109,11 @@ class RolloutPlan:
         if switches and self.sampler != "self_forcing":
             raise ValueError(f"prompt switches run on the self_forcing sampler, not {self.sampler}")
         cuts = tuple(segment.cut for segment in segments[: len(switches)])
+        plan = replace(self, switches=tuple(switches), cuts=cuts)
         passes = resolve_passes(
-            self.capture_spec,
-            self.schedule.num_passes - 1,
-            recache=self.recache and bool(switches),
+            self.capture_spec, self.schedule.num_passes - 1, recache=plan.recaches
         )
-        return replace(self, switches=tuple(switches), cuts=cuts, passes=passes)
+        return replace(plan, passes=passes)
 
     @property
     def recaches(self) -> bool:
@@ -151,6 +150,7 @@ class RolloutPlan:
             self.switches,
             recache_frames=window if self.recache else None,
             recache_slot=self.schedule.num_passes,
+            global_sink=self.global_sink,
             cuts=self.cuts,
         )
 
@@ -395,7 +395,6 @@ def roll_out(
             on_call=capture.begin_call,
             progress=progress,
             calls=plan.calls(),
-            global_sink=plan.global_sink,
         )
     finally:
         model.set_capture(None)

@@ -175,14 +175,12 @@ def rollout(
     progress: bool = True,
     caches: list | None = None,
     calls: list[ModelCall] | None = None,
-    global_sink: bool = True,
 ) -> torch.Tensor:
     """Generate clean latents [1, C, F, H, W] by running the sampler's model calls with a KV cache.
 
     `text` [segments, L, d]: one row per segment of the prompt, the row a call reads being its
     `segment` (a plain prompt: one row). `calls`: the schedule of model calls, by default the
-    sampler's (`model_calls`), for a prompt of segments `schedules.with_switches` of it;
-    `global_sink`: LongLive's, for its recache calls.
+    sampler's (`model_calls`), for a prompt of segments `schedules.with_switches` of it.
 
     Noise comes from a CPU generator seeded with `seed`, so the same seed gives the same video on
     any device, whatever is captured and whatever the cache keeps. `caches`: one per layer in
@@ -224,9 +222,6 @@ def rollout(
             device=device,
             dtype=dtype,
         )
-    for cache in caches:
-        if hasattr(cache, "global_sink"):
-            cache.global_sink = global_sink
     text = model.embed_text(text.to(device=device, dtype=dtype))
     output = torch.empty(shape, dtype=torch.float32)
     state = _Blocks(noise, schedule, generator, device, dtype)

@@ -507,6 +507,10 @@ class SlotStoreWriter(AttentionStoreWriter):
         # rows by array. A block is queued once its last captured pass has come.
         self._blocks: dict[int, dict[str, np.ndarray]] = {}
         super().__init__(path, **kw)
+        # A block is queued at its last captured pass that is not a recache (a recache comes
+        # after its frames' blocks and is queued alone): None when only recaches are captured.
+        regular = [i for i, kind in enumerate(self.pass_kinds) if kind != "recache"]
+        self._last_regular_step = regular[-1] if regular else None
 
     def close(self) -> Path:
         try:
@@ -598,8 +602,7 @@ class SlotStoreWriter(AttentionStoreWriter):
         rows = self._blocks[first_query_frame]
         self._fill(rows, step, key_mass, key_logit_mean, labels, keys)
         self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
-        regular = [i for i, kind in enumerate(self.pass_kinds) if kind != "recache"]
-        if step == regular[-1]:
+        if step == self._last_regular_step:
             self._flush(first_query_frame)
 
     def _rows(self, steps: int, heads: int, frames: int) -> dict[str, np.ndarray]:

@@ -100,7 +100,7 @@ class CacheEngine:
         refusing a recache or a RoPE cut this cache does not run."""
         if call.kind == "recache" and not self.runs_recache:
             raise ValueError(f"{type(self).__name__} does not run LongLive's recache")
-        if getattr(call, "rope_cut", None) is not None and not self.runs_cut:
+        if call.rope_cut is not None and not self.runs_cut:
             raise ValueError(
                 f"{type(self).__name__} keeps absolute positions: Infinity-RoPE's cut needs "
                 "relative ones"
@@ -126,10 +126,8 @@ class KVCache(CacheEngine):
         sink_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        global_sink: bool = True,
     ):
-        self.global_sink = global_sink
-        self.recaching = False
+        self.keeps_sinks = False  # the current call is a recache with LongLive's global_sink
         self.k = torch.zeros(batch, slots, num_heads, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.slot_token = torch.full((slots,), -1, dtype=torch.long, device=device)
@@ -151,7 +149,7 @@ class KVCache(CacheEngine):
 
     def begin_call(self, index: int, call) -> None:
         super().begin_call(index, call)
-        self.recaching = call.kind == "recache"
+        self.keeps_sinks = call.kind == "recache" and call.global_sink
 
     def update(
         self,
@@ -189,7 +187,7 @@ class KVCache(CacheEngine):
             )
         tokens = torch.arange(current_start, current_end, device=self.slot_token.device)
         slots = slice(local_end - n, local_end)
-        if self.recaching and self.global_sink and self.sink_tokens:
+        if self.keeps_sinks and self.sink_tokens:
             # LongLive's recache with global_sink: a sink slot keeps its frame unless the
             # recache rewrites that same frame (a recache from frame 0); the keys that would
             # fall into it are dropped.

@@ -24,6 +24,7 @@ from sinkscope.analysis.closed_loop import (
     policy_order,
     rollout_label,
 )
+from sinkscope.analysis.switches import switch_starts
 from sinkscope.diagnostics import DISTANCE_THRESHOLD, PHASE_FROM, collapse_candidates
 
 from .common import (
@@ -555,7 +556,7 @@ def plot_closed_loop_collapse(
         switches = set()
         for checkpoint, prompt in runs if "segment" in blocks else []:
             run_rows = blocks[(blocks["checkpoint"] == checkpoint) & (blocks["prompt"] == prompt)]
-            switches |= {frame for frame, _ in _switch_frames(_rows_of(run_rows, key))}
+            switches |= set(switch_starts(_rows_of(run_rows, key)))
         for frame in sorted(switches):
             for ax in grid[:, column]:
                 ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
@@ -597,15 +598,6 @@ def plot_closed_loop_collapse(
 SWITCHES_TITLE = "Closed loop: sink and own-block attention across the prompt switches"
 SWITCH_STYLE = {"color": "0.35", "linewidth": 0.7, "linestyle": "--"}
 SWITCH_ROWS = 8  # (rollout, layer) rows drawn at most; the note names how many are left out
-
-
-def _switch_frames(rows: pd.DataFrame) -> list[tuple[int, int]]:
-    """(first frame, segment) of the blocks of `rows` (one rollout) where the segment changes."""
-    per_block = rows.drop_duplicates("block").sort_values("first_frame")
-    segment = per_block["segment"].to_numpy()
-    changed = np.flatnonzero(segment[1:] != segment[:-1]) + 1
-    first = per_block["first_frame"].to_numpy()
-    return [(int(first[i]), int(segment[i])) for i in changed]
 
 
 def _switch_step(rows: pd.DataFrame) -> tuple[int, str]:
@@ -651,7 +643,10 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     colors = dict(zip(heads, series_colors(len(heads)), strict=True))
     fig.set_figheight(1.45 * len(groups) + 1.1)
     axes = fig.subplots(len(groups), 2, sharex=True, squeeze=False)
+    marked = False
     for (key, rows), row_axes in zip(groups, axes, strict=True):
+        switches = switch_starts(rows)  # switch i starts segment i + 1
+        marked |= bool(switches)
         step, label = _switch_step(rows)
         drawn = rows[rows["step"] == step]
         for head, per_head in drawn.groupby("head"):
@@ -661,7 +656,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
                 ax.plot(x, per_head[column].to_numpy(dtype=float), color=colors[int(head)],
                         linewidth=0.7, marker=".", markersize=2, label=f"head {head}")  # fmt: skip
         for ax in row_axes:
-            for frame, segment in _switch_frames(rows):
+            for segment, frame in enumerate(switches, start=1):
                 ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
                 ax.annotate(f"→{segment}", (frame, 1.0), xycoords=("data", "axes fraction"),
                             xytext=(2, -2), textcoords="offset points", va="top",
@@ -678,7 +673,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     axes[-1, 0].set_xlabel("Query block's first latent frame")
     axes[-1, 1].set_xlabel("Query block's first latent frame")
     handles = legend_handles(fig.axes)
-    if any(_switch_frames(rows) for _, rows in groups):
+    if marked:
         handles["switch (→ segment it starts)"] = Line2D([], [], **SWITCH_STYLE)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=7)
     note = f"\n{left_out} more (rollout, layer) rows in switches.csv" if left_out > 0 else ""
