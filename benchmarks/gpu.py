@@ -11,9 +11,12 @@ frame; 21 frames in 7 blocks of 3; Self-Forcing's 4 steps and the cache pass), i
 GPU job runs (`dtype: auto`, bfloat16):
 1. the CUDA tests (`pytest -m "not workflow"` on the modules with CUDA paths);
 2. a plain rollout; the survey of all 30 layers x 5 passes (attention stores, as the survey job
-   writes them, the softmax reductions in `extraction/fused_softmax.py`'s kernels; once more
-   with the reductions copied to the host but stored nowhere, which splits the survey's cost
-   into the device's part and the stores'; once more on the torch path the kernels replace);
+   writes them: the softmax reductions in `extraction/fused_softmax.py`'s kernels, the writers in
+   a `StoreProcess`; once more with the reductions copied to the store process, which drops
+   them; once more with the reductions computed on the device and dropped there, no copy: the
+   three split the survey's cost into the device's, the copies' and the stores'; once more on
+   the torch path the kernels replace; `--profile`: once more under torch.profiler, its tables
+   printed);
    the token capture of layer 0 at pass 0 (token stores, as the extract job with
    `capture.token_passes: 0`). Targets: survey / plain <= 2.0 (TIME_RATIO_TARGET), and each
    run's peak GPU memory (`torch.cuda.max_memory_allocated`: tensors only, the CUDA context
@@ -125,28 +128,27 @@ def peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def discarding_writer():
-    """An AttentionStoreWriter that writes nothing: the capture still computes its reductions
-    and copies them to the host, so a survey with it, against the real one, splits the survey's
-    cost into the device and copy part and the stores' part (spread, compression, disk)."""
-    from sinkscope.extraction.store import AttentionStoreWriter
+class OnDevice:
+    """The writer a device-only capture is given: it is never written to."""
 
-    class DiscardingWriter(AttentionStoreWriter):
-        write_seconds = 0.0
+    store_kind = "attention"
+    write_seconds = 0.0
 
-        def __init__(self):
-            pass
 
-        def write_pooled(self, *args, **kwargs) -> None:
-            pass
+ON_DEVICE = OnDevice()
 
-        def write_block(self, *args, **kwargs) -> None:
-            pass
 
-        def close(self) -> None:
-            pass
+def device_only_capture(writers, passes, t, head_dim):
+    """A LogitCapture that computes the survey's reductions on the device and drops them: no
+    copy to the host, no wait for the GPU, no store. Against the discarded survey it splits the
+    device's part into the kernels and the copies (with the waits they force)."""
+    from sinkscope.extraction.capture import LogitCapture
 
-    return DiscardingWriter()
+    class DeviceOnlyCapture(LogitCapture):
+        def _frames(self, writer, step, first_frame, q, k, visible, call) -> None:
+            self._reductions(q, k)
+
+    return DeviceOnlyCapture(writers, passes, t, head_dim)
 
 
 def compile_kernels(model, geometry, device, dtype) -> None:
@@ -180,11 +182,19 @@ class Timed(NamedTuple):
 def timed_rollout(
     model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
 ):
-    """One rollout, capturing `layers` into stores of kind `store` (`attention`, `tokens`, or
-    `discarded`: attention reductions written nowhere) under the folder `stores` when given."""
+    """One rollout, capturing `layers` into stores of kind `store` (`attention`, `tokens`,
+    `discarded`: attention reductions copied to the store process, which drops them, or `device`:
+    the reductions computed and dropped on the device) under the folder `stores` when given.
+    Attention stores are written as `extraction.job.plan_stores` writes them: in a
+    `StoreProcess`."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
+    from sinkscope.extraction.store_process import (
+        StoreProcess,
+        attention_call_bytes,
+        ring_bytes,
+    )
     from sinkscope.passes import resolve_passes
 
     cfg = model.config
@@ -205,18 +215,21 @@ def timed_rollout(
     with contextlib.ExitStack() as stack:
         capture, writers = None, {}
         if stores is not None:
+            if store == "device":
+                open_store = lambda path, **common: contextlib.nullcontext(ON_DEVICE)  # noqa: E731
+            elif store != "tokens":
+                keys = geometry.num_frames * t
+                call = attention_call_bytes(cfg.num_heads, geometry.frames_per_block, keys, False)
+                process = StoreProcess(ring_bytes(call), dry_run=store != "attention")
+                open_store = stack.enter_context(process).opener(AttentionStoreWriter)
+                common["frames_per_block"] = geometry.frames_per_block
+            else:
+                open_store = TokenStoreWriter
             for layer in layers:
                 path = stores / f"{store}{layer}.zarr"
-                if store == "attention":
-                    writer = AttentionStoreWriter(
-                        path, frames_per_block=geometry.frames_per_block, **common
-                    )
-                elif store == "discarded":
-                    writer = discarding_writer()
-                else:
-                    writer = TokenStoreWriter(path, **common)
-                writers[layer] = stack.enter_context(writer)
-            capture = LogitCapture(writers, passes, t, cfg.head_dim)
+                writers[layer] = stack.enter_context(open_store(path, **common))
+            make = device_only_capture if store == "device" else LogitCapture
+            capture = make(writers, passes, t, cfg.head_dim)
             model.set_capture(capture, capture.layers)
         try:
             latents = rollout(
@@ -236,6 +249,24 @@ def timed_rollout(
     seconds = time.perf_counter() - started  # the writers closed: everything on disk
     write_seconds = sum(writer.write_seconds for writer in writers.values())
     return Timed(seconds, peak(device), latents, write_seconds)
+
+
+def profile(model, text, geometry, device, dtype, stores: Path, layers) -> None:
+    """One more survey under torch.profiler: the operators and kernels that take the device's
+    time, and those that take the model thread's (printed above the table)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    stores.mkdir()
+    with profiler(activities=activities) as prof:
+        timed_rollout(model, text, geometry, device, dtype, stores=stores, layers=layers)
+    events = prof.key_averages()
+    for key in ("self_cuda_time_total", "self_cpu_time_total")[2 - len(activities) :]:
+        print(f"[gpu.py] profile of the survey, by {key}:", flush=True)
+        print(events.table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
 
 
 def cuda_tests() -> str:
@@ -319,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-torch-survey", action="store_true", help="skip the survey on the torch path"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's tables of one survey"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(
@@ -380,11 +414,23 @@ def main(argv: list[str] | None = None) -> int:
             ).seconds
             rows.add(
                 (
-                    "survey, reductions copied to the host but not stored",
+                    "survey, reductions copied to the store process, not stored",
                     f"{discarded:.1f} s, {discarded / plain:.2f} x plain",
                     f"the stores' share of the survey: {survey - discarded:.1f} s",
                 )
             )
+            on_device = timed_rollout(
+                model, text, geometry, device, dtype, stores=folder, store="device", layers=layers
+            ).seconds
+            rows.add(
+                (
+                    "survey, reductions computed on the device only (no copy, no store)",
+                    f"{on_device:.1f} s, {on_device / plain:.2f} x plain",
+                    f"the copies' share (waits included): {discarded - on_device:.1f} s",
+                )
+            )
+            if args.profile:
+                profile(model, text, geometry, device, dtype, folder / "profiled", layers)
             if device.type == "cuda" and not args.no_torch_survey:
                 # The same survey on the torch path the fused kernels replace on a GPU.
                 with mock.patch.dict(os.environ, {"SINKSCOPE_FUSED_SOFTMAX": "0"}):

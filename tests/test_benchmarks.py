@@ -30,7 +30,7 @@ def test_gpu_benchmark_smoke_prints_its_table(capsys):
     table = capsys.readouterr().out
     assert "### `benchmarks/gpu.py` on CPU (smoke, toy size)" in table
     rows = ("| plain bf16 rollout |", "| survey, 5 layers x 5 passes |")
-    for row in (*rows, "| survey, reductions copied to the host but not stored |"):
+    for row in (*rows, "| survey, reductions copied to the store process, not stored |"):
         assert row in table
     assert "| token capture, layers [0], pass 0 |" in table
     assert "| bf16 vs fp32, 2 layers | latents " in table

@@ -113,9 +113,21 @@ def key_versions(call: ModelCall, key_frames: torch.Tensor, kinds: torch.Tensor)
     return versions
 
 
+def for_writer(writer, *values: torch.Tensor) -> tuple:
+    """`values` as `writer` takes them: the tensors themselves for a writer in a store process
+    (`store_process.RemoteWriter`: it copies them without waiting for the device), else numpy
+    arrays on the host."""
+    if getattr(writer, "takes_tensors", False):
+        return values
+    return tuple(value.cpu().numpy() for value in values)
+
+
 class LogitCapture:
     """Model capture hook: writes the self-attention of chosen layers and passes to their stores
     (a `TokenStoreWriter` or an `AttentionStoreWriter` per layer).
+
+    A writer may live in a `store_process.StoreProcess` (`RemoteWriter`): the capture then hands
+    it its reductions as tensors and never waits for the device.
 
     Call `begin_call` before every model call (`begin_pass` for Self-Forcing's calls of one
     block); the hook then writes the passes it was asked for, each block's queries of a call on
@@ -183,7 +195,7 @@ class LogitCapture:
             raise ValueError("logit capture supports batch size 1")
         for part, step in parts:
             rows = slice((part.start - call.start) * t, (part.end - call.start) * t)
-            if isinstance(writer, SlotStoreWriter):
+            if writer.store_kind == "slots":
                 self._slots(writer, step, part.start, q[0, rows], k[0], visible, call)
             else:
                 self._frames(writer, step, part.start, q[0, rows], k[0], visible, call)
@@ -201,19 +213,20 @@ class LogitCapture:
         order = torch.argsort(slot_frames)
         key_frames = slot_frames[order]
         kinds = visible.labels(t)[1][::t][order]
-        versions = key_versions(call, key_frames, kinds).cpu().numpy().astype("int8")
-        key_frames = key_frames.cpu().numpy()
+        versions = key_versions(call, key_frames, kinds).to(torch.int8)
         # Keys in ascending absolute frame order, so the store row is filled by contiguous runs.
         k_sorted = k.unflatten(0, (-1, t))[order].flatten(0, 1)
         # Mean over all token pairs of q.k = (mean q).(mean k): frame-level logits without pairs.
-        q_pooled = q.float().unflatten(0, (-1, t)).mean(dim=1)
-        k_pooled = k_sorted.float().unflatten(0, (-1, t)).mean(dim=1)
+        q_pooled = q.unflatten(0, (-1, t)).mean(dim=1, dtype=torch.float32)
+        k_pooled = k_sorted.unflatten(0, (-1, t)).mean(dim=1, dtype=torch.float32)
         pooled = torch.einsum("qhd,khd->hqk", q_pooled.double(), k_pooled.double()) * self.scale
-        writer.write_pooled(step, first_frame, key_frames, pooled.float().cpu().numpy(), versions)
-        if isinstance(writer, AttentionStoreWriter):
+        writer.write_pooled(
+            step, first_frame, *for_writer(writer, key_frames, pooled.float(), versions)
+        )
+        if writer.store_kind == "attention":
             self._attention(writer, step, q, k_sorted, key_frames, first_frame)
         elif writer.tokens:
-            self._tiles(writer, step, q, k_sorted, key_frames, first_frame)
+            self._tiles(writer, step, q, k_sorted, key_frames.cpu().numpy(), first_frame)
 
     def _tiles(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
         t = self.frame_seq_length
@@ -255,17 +268,15 @@ class LogitCapture:
             "slot_version": key_versions(call, tokens // t, kinds),
         }
         # Per-head choices come as [M, heads]; the store takes [heads, M].
-        labels = {
-            name: (values.T if values.dim() == 2 else values).cpu().numpy()
-            for name, values in labels.items()
-        }
+        names = list(labels)
+        labels = for_writer(
+            writer, *((values.T if values.dim() == 2 else values) for values in labels.values())
+        )
         writer.write_slots(
             step,
             first_frame,
-            key_mass.cpu().numpy(),
-            entropy.cpu().numpy(),
-            key_logit_mean.cpu().numpy(),
-            labels,
+            *for_writer(writer, key_mass, entropy, key_logit_mean),
+            dict(zip(names, labels, strict=True)),
         )
 
     def _attention(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
@@ -273,8 +284,5 @@ class LogitCapture:
         writer.write_block(
             step,
             first_frame,
-            key_frames,
-            key_mass.cpu().numpy(),
-            entropy.cpu().numpy(),
-            key_logit_mean.cpu().numpy(),
+            *for_writer(writer, key_frames, key_mass, entropy, key_logit_mean),
         )

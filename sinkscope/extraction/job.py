@@ -39,6 +39,7 @@ from sinkscope.workflow.gpus import job_device
 from .capture import LogitCapture
 from .sampling import Geometry, Schedule, model_calls, rollout
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
+from .store_process import RemoteWriter, StoreProcess, attention_call_bytes, ring_bytes
 
 STORE_KINDS = ("tokens", "attention")
 
@@ -244,11 +245,14 @@ def plan_stores(
     stack: contextlib.ExitStack,
     store: str = "tokens",
     key_slots: int | None = None,
-) -> list[TokenStoreWriter | AttentionStoreWriter]:
+) -> list[TokenStoreWriter | RemoteWriter]:
     """One open store of kind `store` (`tokens` or `attention`) per layer, entered into `stack`,
     after checking the layers and claiming their disk space (`storage.reserved_space`, held until
     the stack closes). `key_slots`: attention stores over that many cache slots
     (`SlotStoreWriter`, a closed loop's) instead of every token of the video.
+
+    Attention stores are written by a `StoreProcess` (their writers in a child process, fed
+    without waiting for the GPU); token stores by their writer threads in this process.
 
     `attrs`: the provenance every store records; the model and geometry facts are added here.
     """
@@ -354,8 +358,14 @@ def plan_stores(
             what=what,
         )
     )
+    open_store = writer_class
+    if store == "attention":
+        keys = geometry.num_frames * frame_seq_length if key_slots is None else key_slots
+        slots = key_slots is not None
+        call = attention_call_bytes(cfg.num_heads, max(geometry.block_sizes), keys, slots)
+        open_store = stack.enter_context(StoreProcess(ring_bytes(call))).opener(writer_class)
     return [
-        stack.enter_context(writer_class(out, attrs={**attrs, "layer": layer}, **options))
+        stack.enter_context(open_store(out, attrs={**attrs, "layer": layer}, **options))
         for layer, out in zip(layers, outputs, strict=True)
     ]
 

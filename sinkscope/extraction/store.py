@@ -124,6 +124,7 @@ class _StoreWriter:
     """
 
     what = "store"
+    store_kind = ""  # what `LogitCapture` writes to it: "tokens", "attention" or "slots"
     pooled_logits = True  # frame-level mean logits from pooled q and k (F x F per step and head)
 
     def __init__(
@@ -322,6 +323,7 @@ class TokenStoreWriter(_StoreWriter):
     """
 
     what = "float16 logits"
+    store_kind = "tokens"
 
     def __init__(self, path: str | Path, *, tokens: bool = True, max_pending_rows: int = 2, **kw):
         self.tokens = tokens
@@ -391,6 +393,7 @@ class AttentionStoreWriter(_StoreWriter):
     """
 
     what = "float32 key mass and mean logits"
+    store_kind = "attention"
 
     def __init__(self, path: str | Path, *, frames_per_block: int, **kw):
         self.frames_per_block = frames_per_block
@@ -497,6 +500,7 @@ class SlotStoreWriter(AttentionStoreWriter):
     loop is 2,000 pass calls: one chunk each would make zarr's overhead per chunk the cost)."""
 
     what = "float32 key mass and mean logits over cache slots"
+    store_kind = "slots"
     pooled_logits = False
     key_dims = SLOT_DIMS
 

@@ -1,0 +1,203 @@
+"""Store writers in a process of their own (`extraction.store_process`): a store written through
+the process is the store its writer writes in process, through a ring small enough to wrap and
+wait many times; a failure in the child names its store and leaves nothing that looks whole; a
+parent that dies takes its half-written stores with it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from sinkscope.extraction.store import AttentionStoreWriter, SlotStoreWriter
+from sinkscope.extraction.store_process import StoreProcess, attention_call_bytes
+
+from .workflowtools import REPO
+
+HEADS, T, FRAMES, BLOCK = 2, 4, 6, 3
+COMMON = {
+    "num_heads": HEADS,
+    "num_frames": FRAMES,
+    "frame_seq_length": T,
+    "timesteps": [1.0, 0.0],
+    "pass_kinds": ["denoise", "cache"],
+    "attrs": {"checkpoint": "tiny"},
+    "frames_per_block": BLOCK,
+}
+
+
+def attention_calls(seed: int = 0) -> list[tuple]:
+    """The write_pooled and write_block arguments of every pass call of a block-causal rollout."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for first in range(0, FRAMES, BLOCK):
+        key_frames = np.arange(first + BLOCK)
+        keys = len(key_frames) * T
+        for step in (0, 1):
+            mass = rng.random((HEADS, BLOCK, keys), dtype=np.float32)
+            calls.append(
+                (
+                    step,
+                    first,
+                    key_frames,
+                    rng.random((HEADS, BLOCK, len(key_frames)), dtype=np.float32),
+                    (key_frames % 3).astype(np.int8),
+                    mass / mass.sum(-1, keepdims=True),
+                    rng.random((HEADS, BLOCK), dtype=np.float32),
+                    rng.normal(size=(HEADS, BLOCK, keys)).astype(np.float32),
+                )
+            )
+    return calls
+
+
+def write_attention(writer, calls, as_tensors: bool) -> None:
+    wrap = torch.from_numpy if as_tensors else (lambda array: array)
+    for step, first, frames, pooled, versions, mass, entropy, logit in calls:
+        writer.write_pooled(step, first, wrap(frames), wrap(pooled), wrap(versions))
+        writer.write_block(step, first, wrap(frames), wrap(mass), wrap(entropy), wrap(logit))
+
+
+def assert_same_store(path_a, path_b) -> None:
+    a, b = xr.open_zarr(path_a), xr.open_zarr(path_b)
+    assert sorted(a.variables) == sorted(b.variables)
+    for name in a.variables:
+        np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
+    # Only the time of completion (and the attributes' checksum over it) differ.
+    moment = {"completed_at", "attributes_crc32"}
+    assert {k: v for k, v in a.attrs.items() if k not in moment} == {
+        k: v for k, v in b.attrs.items() if k not in moment
+    }
+
+
+@pytest.mark.parametrize("as_tensors", [True, False], ids=["tensors", "arrays"])
+def test_an_attention_store_through_the_process_is_the_store_written_in_process(
+    tmp_path, as_tensors
+):
+    calls = attention_calls()
+    with AttentionStoreWriter(tmp_path / "here.zarr", **COMMON) as writer:
+        write_attention(writer, calls, as_tensors=False)
+    # A ring of 4 KB holds about one call: it wraps and waits for the child on almost every one.
+    with StoreProcess(4096) as process:
+        assert process.ring_size < 2 * attention_call_bytes(HEADS, BLOCK, FRAMES * T, False)
+        remote = process.open(AttentionStoreWriter, tmp_path / "there.zarr", **COMMON)
+        with remote:
+            write_attention(remote, calls, as_tensors)
+        assert not (tmp_path / "there.zarr").exists()  # complete only once the process closed
+    assert remote.bytes_written > 0
+    assert_same_store(tmp_path / "here.zarr", tmp_path / "there.zarr")
+
+
+def test_a_store_over_slots_through_the_process_is_the_store_written_in_process(tmp_path):
+    rng = np.random.default_rng(1)
+    slots = 3 * BLOCK * T
+    options = {**COMMON, "slots": slots}
+    calls = []
+    for first in range(0, FRAMES, BLOCK):
+        keys = (first + BLOCK) * T
+        labels = {
+            "slot_frame": np.arange(keys) // T,
+            "slot_token": np.arange(keys) % T,
+            "slot_position": rng.integers(0, FRAMES, size=(keys, HEADS)).T,  # per head, strided
+            "slot_kind": np.zeros(keys, np.int64),
+            "slot_version": np.full(keys, 2),
+        }
+        for step in (0, 1):
+            mass = rng.random((HEADS, BLOCK, keys), dtype=np.float32)
+            entropy = rng.random((HEADS, BLOCK), dtype=np.float32)
+            calls.append((step, first, mass, entropy, -mass, labels))
+
+    def write(writer, wrap):
+        for step, first, mass, entropy, logit, labels in calls:
+            tensors = {name: wrap(values) for name, values in labels.items()}
+            writer.write_slots(step, first, wrap(mass), wrap(entropy), wrap(logit), tensors)
+
+    with SlotStoreWriter(tmp_path / "here.zarr", **options) as writer:
+        write(writer, lambda array: array)
+    with StoreProcess(1 << 16) as process:
+        with process.open(SlotStoreWriter, tmp_path / "there.zarr", **options) as remote:
+            write(remote, torch.from_numpy)
+    assert_same_store(tmp_path / "here.zarr", tmp_path / "there.zarr")
+
+
+def test_a_failing_write_names_its_store_and_leaves_nothing(tmp_path):
+    good, bad = tmp_path / "good.zarr", tmp_path / "bad.zarr"
+    calls = attention_calls()
+    with pytest.raises(RuntimeError, match=r"bad\.zarr") as caught:
+        with StoreProcess(1 << 16) as process:
+            with process.open(AttentionStoreWriter, good, **COMMON) as writer_good:
+                with process.open(AttentionStoreWriter, bad, **COMMON) as writer_bad:
+                    write_attention(writer_good, calls[:1], as_tensors=True)
+                    # Query frames past the video: the writer in the child raises.
+                    step, _, frames, _, _, mass, entropy, logit = calls[0]
+                    writer_bad.write_block(step, FRAMES, frames, mass, entropy, logit)
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:  # the next call after the child failed
+                        write_attention(writer_bad, calls[:1], as_tensors=True)
+                        time.sleep(0.05)
+    assert "failed in the store writer process" in str(caught.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+def test_a_writer_that_cannot_open_names_its_store(tmp_path):
+    with pytest.raises(RuntimeError, match=r"odd\.zarr: TypeError"):
+        with StoreProcess(1 << 16) as process:
+            with process.open(AttentionStoreWriter, tmp_path / "odd.zarr", **COMMON, bogus=1):
+                pass
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_argument_larger_than_the_ring_is_refused(tmp_path):
+    with StoreProcess(4096) as process:
+        with pytest.raises(ValueError, match="store ring holds 4096"):
+            with process.open(AttentionStoreWriter, tmp_path / "a.zarr", **COMMON) as writer:
+                writer.write_block(0, 0, np.arange(3), np.zeros((HEADS, BLOCK, 1024), np.float32))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_parent_that_dies_takes_its_half_written_stores_with_it(tmp_path):
+    """The child reads the end of its input and aborts: no `.partial` folder stays behind."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        import numpy as np
+        sys.path.insert(0, {str(REPO)!r})
+        from sinkscope.extraction.store import AttentionStoreWriter
+        from sinkscope.extraction.store_process import StoreProcess
+        process = StoreProcess(1 << 16)
+        writer = process.open(AttentionStoreWriter, {str(tmp_path / "a.zarr")!r}, **{COMMON!r})
+        frames = np.arange(3)
+        writer.write_pooled(0, 0, frames, np.zeros((2, 3, 3), np.float32))
+        deadline = time.monotonic() + 30
+        while not os.path.exists({str(tmp_path / "a.zarr.partial")!r}):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        print(process._child.pid, flush=True)
+        os._exit(3)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 3, result.stderr
+    child = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp_path.iterdir())
+    # and the child is gone
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().split()[2] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the store process outlived its parent")
