@@ -128,6 +128,14 @@ VARIABLE_ATTRS = {
 }
 
 
+# zarr notes, at every consolidation, that consolidated metadata is not in the v3 specification;
+# sinkscope's stores consolidate on purpose (one read of the metadata). Silenced for the process,
+# not inside `warnings.catch_warnings`, which is not thread-safe (a store process closes its stores
+# side by side).
+CONSOLIDATED_NOTE = "Consolidated metadata is currently not part in the Zarr format 3"
+warnings.filterwarnings("ignore", message=CONSOLIDATED_NOTE, category=UserWarning)
+
+
 def tune_zarr() -> None:
     """Apply ZARR_TUNING to this process (extraction and reduction jobs call it)."""
     import zarr  # here: the parse-time digest cache uses this module and needs no zarr
@@ -215,9 +223,7 @@ def mark_complete(group_path: str | os.PathLike, attrs: dict | None = None) -> N
     # The checksum of the attributes as a reader gets them back from zarr.json.
     written = zarr.open_group(path, mode="r").attrs.asdict()
     group.attrs[ATTRIBUTES_CHECKSUM] = json.dumps(attributes_checksum(written))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # zarr notes that consolidated metadata is not in v3
-        zarr.consolidate_metadata(path)
+    zarr.consolidate_metadata(path)  # its note about zarr v3 is silenced (CONSOLIDATED_NOTE)
 
 
 def temporary_path(
