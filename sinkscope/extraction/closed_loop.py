@@ -37,7 +37,7 @@ from sinkscope.tables import BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .cache_policies import CachePolicy
 from .capture import LogitCapture
-from .job import RolloutPlan, loaded_job, plan_stores
+from .job import RolloutPlan, loaded_job, plan_stores, stores_in_a_process
 from .rolling import rolling_caches
 from .sampling import rollout
 
@@ -361,7 +361,15 @@ def _roll_out(
             )
             slots = frames * frame_seq_length
             writers = plan_stores(
-                cfg, plan, layers, outputs.stores, attrs, stack, "attention", key_slots=slots
+                cfg,
+                plan,
+                layers,
+                outputs.stores,
+                attrs,
+                stack,
+                "attention",
+                key_slots=slots,
+                store_process=stores_in_a_process(device),
             )
             by_layer = dict(zip(layers, writers, strict=True))
             capture = LogitCapture(by_layer, plan.passes, frame_seq_length, cfg.head_dim)

@@ -236,6 +236,14 @@ def load_checkpoint(
     return load_wan_model(spec, device=device, dtype=dtype), checkpoint_sha256
 
 
+def stores_in_a_process(device: torch.device) -> bool:
+    """Whether a job's attention stores are written by a `StoreProcess`: on a GPU, where the
+    writers' Python in the model's process and its waits for the device cost the survey more than
+    its kernels (benchmarks/README.md). On the CPU nothing waits for a device and the model's own
+    operations leave the GIL free; a child would only add its start-up (~0.6 s) to every job."""
+    return device.type == "cuda"
+
+
 def plan_stores(
     cfg: WanConfig,
     plan: RolloutPlan,
@@ -245,14 +253,16 @@ def plan_stores(
     stack: contextlib.ExitStack,
     store: str = "tokens",
     key_slots: int | None = None,
-) -> list[TokenStoreWriter | RemoteWriter]:
+    store_process: bool = False,
+) -> list[TokenStoreWriter | AttentionStoreWriter | RemoteWriter]:
     """One open store of kind `store` (`tokens` or `attention`) per layer, entered into `stack`,
     after checking the layers and claiming their disk space (`storage.reserved_space`, held until
     the stack closes). `key_slots`: attention stores over that many cache slots
     (`SlotStoreWriter`, a closed loop's) instead of every token of the video.
 
-    Attention stores are written by a `StoreProcess` (their writers in a child process, fed
-    without waiting for the GPU); token stores by their writer threads in this process.
+    `store_process`: attention stores are written by a `StoreProcess` (their writers in a child
+    process, fed without waiting for the GPU; `stores_in_a_process` says when); token stores are
+    always written by their writer threads in this process.
 
     `attrs`: the provenance every store records; the model and geometry facts are added here.
     """
@@ -359,7 +369,7 @@ def plan_stores(
         )
     )
     open_store = writer_class
-    if store == "attention":
+    if store == "attention" and store_process:
         keys = geometry.num_frames * frame_seq_length if key_slots is None else key_slots
         slots = key_slots is not None
         call = attention_call_bytes(cfg.num_heads, max(geometry.block_sizes), keys, slots)
@@ -438,7 +448,16 @@ def extract(
         cfg = model.config
         provenance = {**job.provenance, "config": settings}
         with contextlib.ExitStack() as stores:
-            writers = plan_stores(cfg, plan, layers, outputs, provenance, stores, store)
+            writers = plan_stores(
+                cfg,
+                plan,
+                layers,
+                outputs,
+                provenance,
+                stores,
+                store,
+                store_process=stores_in_a_process(device),
+            )
             capture = LogitCapture(
                 dict(zip(layers, writers, strict=True)),
                 plan.passes,

@@ -114,7 +114,27 @@ def key_frame_runs(key_frames: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-class _StoreWriter:
+class ClosesOrAborts:
+    """A writer as a context manager: `close` when the block ends well, `abort` (nothing left
+    that looks whole) when it raises."""
+
+    def close(self):
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class _StoreWriter(ClosesOrAborts):
     """What both stores share: the group with its attributes (netCDF-safe: `encode_attrs`), the
     step, head and frame coordinates (every array with its long_name and units), the
     pooled frame-level mean logits (kept in memory, written at close), a background writer
@@ -303,15 +323,6 @@ class _StoreWriter:
             self._queue.put(None)
             self._thread.join()
         remove(self.tmp)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class TokenStoreWriter(_StoreWriter):

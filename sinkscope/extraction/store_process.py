@@ -6,7 +6,8 @@ over a 30-layer survey) through zarr and blosc. In the model's process, the writ
 kernels, and every `.cpu()` of a reduction waits for the GPU: on an H200 the stores took 8.6 s and
 the copies 1.4 s of a 15.7 s survey whose device work alone took 5.7 s (benchmarks/README.md).
 
-Here the writers (`store.AttentionStoreWriter` and its kin, unchanged) run in a child process.
+Here the writers (`store.AttentionStoreWriter` and its kin, unchanged) run in a child process (a
+GPU job's: `job.stores_in_a_process`).
 Their arguments travel through one shared-memory ring (`memfd`, page-locked for the GPU with
 `cudaHostRegister`): a call copies its tensors into the ring on a copy stream of its own and
 returns; a sender thread waits for that copy to land and sends the child a small message naming
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .store import ClosesOrAborts
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +342,7 @@ class StoreProcess:
         self.close()
 
 
-class RemoteWriter:
+class RemoteWriter(ClosesOrAborts):
     """The parent's handle on one writer in a `StoreProcess`: the writer's write methods, each
     queued without a wait (`takes_tensors`: tensors may stay on the GPU), and `close`/`abort` as
     the writer has them (`close` queues the close: the store is complete, and `write_seconds`
@@ -375,15 +378,6 @@ class RemoteWriter:
                 self.process.abort_writer(self.key)
             except RuntimeError as error:  # the child is gone: it aborted its stores itself
                 log.warning("aborting %s: %s", self.path, error)
-
-    def __enter__(self) -> RemoteWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def _log_handle():
