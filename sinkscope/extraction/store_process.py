@@ -332,7 +332,10 @@ class StoreProcess:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._ring.data_ptr())
         del self._ring, self._control
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a view of the ring still lives (a traceback's frame): the GC unmaps
+            pass
         os.close(self._fd)
 
     def __enter__(self) -> StoreProcess:
