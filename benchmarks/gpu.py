@@ -190,11 +190,7 @@ def timed_rollout(
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
-    from sinkscope.extraction.store_process import (
-        StoreProcess,
-        attention_call_bytes,
-        ring_bytes,
-    )
+    from sinkscope.extraction.store_process import attention_store_process
     from sinkscope.passes import resolve_passes
 
     cfg = model.config
@@ -218,9 +214,13 @@ def timed_rollout(
             if store == "device":
                 open_store = lambda path, **common: contextlib.nullcontext(ON_DEVICE)  # noqa: E731
             elif store != "tokens":
-                keys = geometry.num_frames * t
-                call = attention_call_bytes(cfg.num_heads, geometry.frames_per_block, keys, False)
-                process = StoreProcess(ring_bytes(call), dry_run=store != "attention")
+                process = attention_store_process(
+                    cfg.num_heads,
+                    geometry.frames_per_block,
+                    geometry.num_frames * t,
+                    slots=False,
+                    dry_run=store != "attention",
+                )
                 open_store = stack.enter_context(process).opener(AttentionStoreWriter)
                 common["frames_per_block"] = geometry.frames_per_block
             else:

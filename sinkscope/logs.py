@@ -9,20 +9,23 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+# One line per record in every job log (a store process's child writes to the same file).
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
 
 @contextlib.contextmanager
 def job_log(path: str | Path | None) -> Iterator[None]:
     """Send logging, stdout and stderr (progress bars) to `path`, warnings to the console as well;
     record a failure's traceback."""
     if path is None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         yield
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", buffering=1) as handle:
         handler = logging.StreamHandler(handle)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
         # Warnings reach the console too (Snakemake shows a local job's stderr; on SLURM its log).
         console = logging.StreamHandler(sys.__stderr__)
         console.setLevel(logging.WARNING)

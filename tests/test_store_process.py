@@ -203,42 +203,51 @@ def test_a_parent_that_dies_takes_its_half_written_stores_with_it(tmp_path):
         pytest.fail("the store process outlived its parent")
 
 
-def test_a_survey_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch):
+def assert_a_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch, run_job):
+    """`run_job(name, stores)` once with the stores written in process (the CPU's way) and once
+    through a StoreProcess (a GPU job's): the same stores, layer by layer."""
     from sinkscope.extraction import closed_loop, job
 
-    from .test_capture import _write_inputs
-
-    prompt, settings = _write_inputs(tmp_path)
-    common = {"checkpoint_name": "tiny", "prompt_name": "p", "prompt_embeddings": prompt}
     for name, in_process in (("here", False), ("there", True)):
         for module in (job, closed_loop):
             monkeypatch.setattr(module, "stores_in_a_process", lambda device, x=in_process: x)
-        job.extract(
-            **common,
-            layers=[0, 1],
-            outputs=[tmp_path / f"{name}{layer}.zarr" for layer in (0, 1)],
-            settings=settings,
-            store="attention",
-            progress=False,
-        )
+        run_job(name, [tmp_path / f"{name}{layer}.zarr" for layer in (0, 1)])
     for layer in (0, 1):
         assert_same_store(tmp_path / f"here{layer}.zarr", tmp_path / f"there{layer}.zarr")
 
 
-def test_a_closed_loop_writes_the_same_stores_over_slots_through_the_process(tmp_path, monkeypatch):
-    from sinkscope.extraction import closed_loop, job
+def test_a_survey_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch):
+    from sinkscope.extraction.job import extract
 
+    from .test_capture import _write_inputs
+
+    prompt, settings = _write_inputs(tmp_path)
+
+    def survey(name, stores):
+        extract(
+            checkpoint_name="tiny",
+            prompt_name="p",
+            prompt_embeddings=prompt,
+            layers=[0, 1],
+            outputs=stores,
+            settings=settings,
+            store="attention",
+            progress=False,
+        )
+
+    assert_a_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch, survey)
+
+
+def test_a_closed_loop_writes_the_same_stores_over_slots_through_the_process(tmp_path, monkeypatch):
     from .test_capture import _write_inputs
     from .test_closed_loop import _loop
 
     video = {"num_frames": 8, "frames_per_block": 2, "latent_height": 4, "latent_width": 6}
     prompt, settings = _write_inputs(tmp_path, video=video)
     common = {"checkpoint_name": "tiny", "prompt_name": "p", "prompt_embeddings": prompt}
-    for name, in_process in (("here", False), ("there", True)):
-        for module in (job, closed_loop):
-            monkeypatch.setattr(module, "stores_in_a_process", lambda device, x=in_process: x)
-        stores = [tmp_path / f"{name}{layer}.zarr" for layer in (0, 1)]
+
+    def window(name, stores):
         policy = {"name": "window", "budget": 4}
         _loop(tmp_path, common, settings, name, policy, layers=[0, 1], stores=stores)
-    for layer in (0, 1):
-        assert_same_store(tmp_path / f"here{layer}.zarr", tmp_path / f"there{layer}.zarr")
+
+    assert_a_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch, window)

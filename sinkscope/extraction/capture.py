@@ -220,13 +220,13 @@ class LogitCapture:
         q_pooled = q.unflatten(0, (-1, t)).mean(dim=1, dtype=torch.float32)
         k_pooled = k_sorted.unflatten(0, (-1, t)).mean(dim=1, dtype=torch.float32)
         pooled = torch.einsum("qhd,khd->hqk", q_pooled.double(), k_pooled.double()) * self.scale
-        writer.write_pooled(
-            step, first_frame, *for_writer(writer, key_frames, pooled.float(), versions)
-        )
+        # As the writer takes them, once for all of this call's writes.
+        key_frames, pooled, versions = for_writer(writer, key_frames, pooled.float(), versions)
+        writer.write_pooled(step, first_frame, key_frames, pooled, versions)
         if writer.store_kind == "attention":
             self._attention(writer, step, q, k_sorted, key_frames, first_frame)
         elif writer.tokens:
-            self._tiles(writer, step, q, k_sorted, key_frames.cpu().numpy(), first_frame)
+            self._tiles(writer, step, q, k_sorted, key_frames, first_frame)
 
     def _tiles(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
         t = self.frame_seq_length
@@ -284,5 +284,6 @@ class LogitCapture:
         writer.write_block(
             step,
             first_frame,
-            *for_writer(writer, key_frames, key_mass, entropy, key_logit_mean),
+            key_frames,
+            *for_writer(writer, key_mass, entropy, key_logit_mean),
         )

@@ -39,7 +39,7 @@ from sinkscope.workflow.gpus import job_device
 from .capture import LogitCapture
 from .sampling import Geometry, Schedule, model_calls, rollout
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
-from .store_process import RemoteWriter, StoreProcess, attention_call_bytes, ring_bytes
+from .store_process import RemoteWriter, attention_store_process
 
 STORE_KINDS = ("tokens", "attention")
 
@@ -370,10 +370,13 @@ def plan_stores(
     )
     open_store = writer_class
     if store == "attention" and store_process:
-        keys = geometry.num_frames * frame_seq_length if key_slots is None else key_slots
-        slots = key_slots is not None
-        call = attention_call_bytes(cfg.num_heads, max(geometry.block_sizes), keys, slots)
-        open_store = stack.enter_context(StoreProcess(ring_bytes(call))).opener(writer_class)
+        process = attention_store_process(
+            cfg.num_heads,
+            max(geometry.block_sizes),
+            geometry.num_frames * frame_seq_length if key_slots is None else key_slots,
+            slots=key_slots is not None,
+        )
+        open_store = stack.enter_context(process).opener(writer_class)
     return [
         stack.enter_context(open_store(out, attrs={**attrs, "layer": layer}, **options))
         for layer, out in zip(layers, outputs, strict=True)

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import math
 import mmap
 import os
 import pickle
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sinkscope.logs import LOG_FORMAT
 
 from .store import ClosesOrAborts
 
@@ -54,7 +57,7 @@ MAX_RING_BYTES = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class ArrayRef:
-    """An argument that lies in the ring: `nbytes` bytes at `offset`."""
+    """An argument that lies in the ring: an array of `shape` and `dtype` at `offset`."""
 
     offset: int
     shape: tuple[int, ...]
@@ -62,13 +65,18 @@ class ArrayRef:
 
     def read(self, ring) -> np.ndarray:
         """A copy of the array (the ring's bytes are released once the call's arrays are read)."""
-        dtype = np.dtype(self.dtype)
-        size = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
-        return (
-            np.frombuffer(ring, dtype, size // dtype.itemsize, self.offset)
-            .reshape(self.shape)
-            .copy()
-        )
+        count = math.prod(self.shape)
+        return np.frombuffer(ring, self.dtype, count, self.offset).reshape(self.shape).copy()
+
+
+def attention_store_process(
+    num_heads: int, query_frames: int, keys: int, *, slots: bool, dry_run: bool = False
+) -> StoreProcess:
+    """A `StoreProcess` for attention stores whose calls hand over `query_frames` frames of
+    queries against `keys` keys (`slots`: stores over cache slots, with their labels), its ring
+    sized by `ring_bytes`."""
+    call = attention_call_bytes(num_heads, query_frames, keys, slots)
+    return StoreProcess(ring_bytes(call), dry_run=dry_run)
 
 
 def ring_bytes(call_bytes: int, calls: int = 16) -> int:
@@ -405,6 +413,10 @@ def _unpack(value, ring):
     return value
 
 
+def _described(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def _load_class(name: str) -> type:
     module, qualname = name.split(":")
     if not module.startswith("sinkscope."):
@@ -436,6 +448,12 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
             pickle.dump(fields, outbox, protocol=pickle.HIGHEST_PROTOCOL)
             outbox.flush()
 
+    def fail(key: int, error: BaseException) -> None:
+        """Writer `key` failed: its later calls are dropped, and the parent learns of it."""
+        failed[key] = _described(error)
+        if not control[FAILED]:
+            control[FAILED] = key + 1
+
     def finish(what: str, key: int, writer, error: str | None) -> None:
         try:
             if writer is not None:
@@ -445,7 +463,7 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
                     writer.abort()
         except BaseException as failure:
             log.exception("%s of %s failed", what, writer.path)
-            error = f"{type(failure).__name__}: {failure}"
+            error = _described(failure)
         reply(key, writer, error if what == "close" else None)
 
     try:
@@ -465,18 +483,14 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
                     getattr(writers[key], method)(*args)
                 except BaseException as error:
                     log.exception("writing %s failed", writers[key].path)
-                    failed[key] = f"{type(error).__name__}: {error}"
-                    if not control[FAILED]:
-                        control[FAILED] = key + 1
+                    fail(key, error)
             elif what == "open":
                 _, _, name, path, options = message
                 try:
                     writers[key] = _load_class(name)(path, **options)
                 except BaseException as error:
                     log.exception("opening %s failed", path)
-                    failed[key] = f"{type(error).__name__}: {error}"
-                    if not control[FAILED]:
-                        control[FAILED] = key + 1
+                    fail(key, error)
             elif what == "close":
                 closing.submit(finish, what, key, writers.pop(key, None), failed.pop(key, None))
             elif what == "abort":
@@ -485,12 +499,13 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
         closing.shutdown()
         for writer in writers.values():  # the parent is gone or failed: nothing half-written
             writer.abort()
-        del control, ring
+        ring.release()
+        control = None  # its view of the map must go before the map closes
         shared.close()
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     fd, size, dry_run = (int(value) for value in sys.argv[1:4])
     serve(fd, size, bool(dry_run), sys.stdin.buffer, sys.stdout.buffer)
 
