@@ -5,6 +5,10 @@ parent that dies takes its half-written stores with it."""
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -15,8 +19,15 @@ import pytest
 import torch
 import xarray as xr
 
+from sinkscope.extraction import store_process
 from sinkscope.extraction.store import AttentionStoreWriter, SlotStoreWriter
-from sinkscope.extraction.store_process import StoreProcess, attention_call_bytes
+from sinkscope.extraction.store_process import (
+    CONTROL_BYTES,
+    RELEASED,
+    ArrayRef,
+    StoreProcess,
+    attention_call_bytes,
+)
 
 from .workflowtools import REPO
 
@@ -123,6 +134,64 @@ def test_a_store_over_slots_through_the_process_is_the_store_written_in_process(
         with process.open(SlotStoreWriter, tmp_path / "there.zarr", **options) as remote:
             write(remote, torch.from_numpy)
     assert_same_store(tmp_path / "here.zarr", tmp_path / "there.zarr")
+
+
+class Recorder:
+    """A writer for `serve` that records, per write, what it was given and how many bytes of the
+    ring the child had handed back to the parent at that moment (`control`: the shared counters)."""
+
+    copies_arguments = False
+    path = "recorder"
+    control: np.ndarray
+    seen: list
+
+    def __init__(self, path, **options):
+        pass
+
+    def write_values(self, values):
+        self.seen.append((values.copy(), values.flags.writeable, int(self.control[RELEASED])))
+
+    def close(self):
+        pass
+
+
+class InPlaceRecorder(Recorder):
+    copies_arguments = True
+
+
+@pytest.mark.parametrize("writer_class", [Recorder, InPlaceRecorder])
+def test_the_ring_is_released_only_once_a_writer_is_done_with_it(monkeypatch, writer_class):
+    """A writer that copies what it keeps (`copies_arguments`) reads its arrays in place: the
+    parent may not write over those bytes until the write returns. Any other writer gets copies,
+    and the bytes go back before it is called."""
+    size = CONTROL_BYTES + 4096
+    fd = os.memfd_create("test-ring")
+    os.ftruncate(fd, size)
+    shared = mmap.mmap(fd, size)
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    offset, end = 128, 128 + values.nbytes
+    shared[CONTROL_BYTES + offset : CONTROL_BYTES + end] = values.tobytes()
+    messages = [
+        ("open", 0, "sinkscope:Recorder", "recorder", {}),
+        ("call", 0, "write_values", (ArrayRef(offset, values.shape, "float32"),), end),
+        ("close", 0),
+    ]
+    inbox = io.BytesIO(b"".join(pickle.dumps(message) for message in messages))
+    monkeypatch.setattr(store_process, "_load_class", lambda name: writer_class)
+    writer_class.control, writer_class.seen = np.frombuffer(shared, np.int64, 2), []
+    try:
+        store_process.serve(fd, size, False, inbox, io.BytesIO())
+        ((given, writeable, released),) = writer_class.seen
+        np.testing.assert_array_equal(given, values)
+        if writer_class.copies_arguments:
+            assert (writeable, released) == (False, 0)  # a view: the bytes still held
+        else:
+            assert (writeable, released) == (True, end)  # a copy
+        assert writer_class.control[RELEASED] == end
+    finally:
+        del writer_class.control
+        shared.close()
+        os.close(fd)
 
 
 def test_a_failing_write_names_its_store_and_leaves_nothing(tmp_path):

@@ -146,6 +146,9 @@ class _StoreWriter(ClosesOrAborts):
     what = "store"
     store_kind = ""  # what `LogitCapture` writes to it: "tokens", "attention" or "slots"
     pooled_logits = True  # frame-level mean logits from pooled q and k (F x F per step and head)
+    # Whether every write method has copied what it keeps of its arrays when it returns: a store
+    # process then hands it views of its shared ring instead of copies (`store_process.serve`).
+    copies_arguments = False
 
     def __init__(
         self,
@@ -405,9 +408,13 @@ class AttentionStoreWriter(_StoreWriter):
 
     what = "float32 key mass and mean logits"
     store_kind = "attention"
+    copies_arguments = True  # rows are spread into new chunks; entropy and pooled logits kept
 
     def __init__(self, path: str | Path, *, frames_per_block: int, **kw):
         self.frames_per_block = frames_per_block
+        # Chunks written go back here for the next block's rows: a new 9.4 MB chunk per call at
+        # the real geometry costs more in page faults than the copy (benchmarks/store_child.py).
+        self._spare_rows: list[np.ndarray] = []
         super().__init__(path, **kw)
         self.entropy = np.full(
             (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
@@ -446,7 +453,17 @@ class AttentionStoreWriter(_StoreWriter):
         queries = slice(first_query_frame, first_query_frame + mass.shape[2])
         self.key_mass[step : step + 1, :, queries, :] = mass
         self.key_logit_mean[step : step + 1, :, queries, :] = logits
+        self._spare_rows += (mass, logits)  # zarr keeps no reference once the write returns
         return mass.nbytes + logits.nbytes
+
+    def _new_rows(self, heads: int, frames: int) -> np.ndarray:
+        """An uninitialised chunk of rows [1, heads, frames, N]: a spare one of that shape if the
+        writer thread has handed one back."""
+        shape = (1, heads, frames, self.num_tokens)
+        for index in range(len(self._spare_rows) - 1, -1, -1):
+            if self._spare_rows[index].shape == shape:
+                return self._spare_rows.pop(index)
+        return np.empty(shape, np.float32)
 
     def write_block(
         self,
@@ -463,13 +480,20 @@ class AttentionStoreWriter(_StoreWriter):
         visible) and queued."""
         t = self.frame_seq_length
         heads, frames, _ = key_mass.shape
+        runs = key_frame_runs(key_frames)
         spread = []
         for values in (key_mass, key_logit_mean):
-            rows = np.full((1, heads, frames, self.num_tokens), np.nan, np.float32)
-            for first, stop, offset in key_frame_runs(key_frames):
+            # Every byte written once, the runs and NaN between and after them (a chunk filled
+            # with NaN first wrote the visible keys twice: 9.4 MB a call at the real geometry).
+            rows = self._new_rows(heads, frames)
+            covered = 0
+            for first, stop, offset in runs:
+                rows[0, :, :, covered * t : first * t] = np.nan
                 rows[0, :, :, first * t : stop * t] = values[
                     :, :, offset * t : offset * t + (stop - first) * t
                 ]
+                covered = stop
+            rows[0, :, :, covered * t :] = np.nan
             spread.append(rows)
         self.entropy[step, :, first_query_frame : first_query_frame + frames] = entropy
         self._put((step, first_query_frame, *spread))

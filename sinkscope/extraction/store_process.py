@@ -63,10 +63,16 @@ class ArrayRef:
     shape: tuple[int, ...]
     dtype: str
 
-    def read(self, ring) -> np.ndarray:
-        """A copy of the array (the ring's bytes are released once the call's arrays are read)."""
+    def view(self, ring) -> np.ndarray:
+        """The array where it lies in the ring (read-only: valid until the call is released)."""
         count = math.prod(self.shape)
-        return np.frombuffer(ring, self.dtype, count, self.offset).reshape(self.shape).copy()
+        array = np.frombuffer(ring, self.dtype, count, self.offset).reshape(self.shape)
+        array.flags.writeable = False
+        return array
+
+    def read(self, ring) -> np.ndarray:
+        """A copy of the array, for a writer that may keep what it is given."""
+        return self.view(ring).copy()
 
 
 def attention_store_process(
@@ -109,7 +115,7 @@ class StoreProcess:
     """A child process that hosts store writers (`open`); a context manager.
 
     `ring`: the bytes of the shared ring the calls' arrays pass through (`ring_bytes`).
-    `dry_run`: the child reads every call's arrays and drops them (benchmarks/gpu.py measures the
+    `dry_run`: the child drops every call's arrays unread (benchmarks/gpu.py measures the
     transport alone with it).
     """
 
@@ -403,13 +409,14 @@ def _log_handle():
 # The child's side ---------------------------------------------------------------------------
 
 
-def _unpack(value, ring):
+def _unpack(value, ring, copy: bool):
+    """The call's arguments, each array a copy out of the ring or (not `copy`) a view of it."""
     if isinstance(value, ArrayRef):
-        return value.read(ring)
+        return value.read(ring) if copy else value.view(ring)
     if isinstance(value, dict):
-        return {name: _unpack(item, ring) for name, item in value.items()}
+        return {name: _unpack(item, ring, copy) for name, item in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_unpack(item, ring) for item in value)
+        return type(value)(_unpack(item, ring, copy) for item in value)
     return value
 
 
@@ -475,15 +482,25 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
             what, key = message[0], message[1]
             if what == "call":
                 _, _, method, packed, released = message
-                args = _unpack(packed, ring)
-                control[RELEASED] = released  # the arrays are copied out
                 if dry_run or key in failed:
+                    control[RELEASED] = released
                     continue
+                writer = writers[key]
+                # A writer that copies what it keeps before a write returns (the attention
+                # stores spread their rows into chunks) reads the ring in place: a survey's
+                # 10 GB copied once less.
+                in_place = getattr(writer, "copies_arguments", False)
+                args = _unpack(packed, ring, copy=not in_place)
+                if not in_place:
+                    control[RELEASED] = released  # the arrays are copied out
                 try:
-                    getattr(writers[key], method)(*args)
+                    getattr(writer, method)(*args)
                 except BaseException as error:
-                    log.exception("writing %s failed", writers[key].path)
+                    log.exception("writing %s failed", writer.path)
                     fail(key, error)
+                finally:
+                    del args
+                    control[RELEASED] = released
             elif what == "open":
                 _, _, name, path, options = message
                 try:
@@ -499,9 +516,12 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
         closing.shutdown()
         for writer in writers.values():  # the parent is gone or failed: nothing half-written
             writer.abort()
-        ring.release()
         control = None  # its view of the map must go before the map closes
-        shared.close()
+        try:
+            ring.release()
+            shared.close()
+        except BufferError:  # a view of the ring still lives (a traceback's frame): the GC unmaps
+            pass
 
 
 def main() -> None:
