@@ -134,11 +134,14 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
     from .workflowtools import demo_copy, snakemake
 
     workdir = demo_copy(demo_run, tmp_path / "w")
+    # Token and survey jobs share the GPUs: two of each, four jobs for two GPUs.
     stores = [
-        f"results/{kind}/{c}/{p}/layer0.zarr"
-        for kind in ("logits", "attention")  # token and survey jobs share the GPUs
-        for c in ("demo_a", "demo_b")
-        for p in ("eagle", "harbor")
+        f"results/{kind}/{run}/layer0.zarr"
+        for kind, runs in (
+            ("logits", ("demo_a/eagle", "demo_b/harbor")),
+            ("attention", ("demo_a/harbor", "demo_b/eagle")),
+        )
+        for run in runs
     ]
     env = {
         **os.environ,
@@ -169,6 +172,6 @@ def test_two_gpus_run_two_extractions_at_once_each_on_its_own(demo_run, tmp_path
         assert sum(s <= start < e for s, e, _ in runs) <= 2
 
     # The default profile (gpu: 1): the same two GPUs, one job at a time.
-    serial = [stores[0], stores[4]]  # one token store, one survey
+    serial = [stores[0], stores[2]]  # one token store, one survey
     snakemake(workdir, *serial, "--cores", "4", "--forcerun", "extract", "survey", env=env)
     assert overlaps(extraction_runs(workdir, serial)) == []

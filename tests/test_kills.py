@@ -51,33 +51,28 @@ def kill_while_making(workdir: Path, target: str, point: str) -> None:
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
 
 
-@pytest.mark.parametrize(
-    ("target", "point"),
-    [
-        ("results/frames/demo_a/eagle/layer0.zarr", "mid-write"),
-        ("results/frames/demo_a/eagle/layer0.zarr", "before-rename"),
-        ("results/frames/demo_a/eagle/layer0.zarr", "after-rename"),
-        ("results/stats/demo_b/harbor/layer0.csv", "mid-write"),
-        ("results/stats/summary.csv", "before-rename"),
-        ("results/figures/demo_a/harbor/figure4.svg", "mid-write"),
-    ],
-    ids=[
-        "reduce_attention-mid-write",
-        "reduce_attention-before-rename",
-        "reduce_attention-after-rename",
-        "stats-mid-write",
-        "summary-before-rename",
-        "figures-mid-write",
-    ],
-)
-def test_a_killed_job_reruns_to_a_clean_run(demo_run, tmp_path, target, point):
+# Each fault point on a job of its own, killed one after the other in one copy of the demo, then
+# one plain rerun for all (each rerun remakes half the DAG). The order keeps every killed job's
+# inputs whole: the later jobs of the DAG are killed first.
+JOB_FAULTS = [
+    ("results/stats/summary.csv", "before-rename"),
+    ("results/figures/demo_a/harbor/figure4.svg", "mid-write"),
+    ("results/stats/demo_b/harbor/layer0.csv", "mid-write"),
+    ("results/frames/demo_a/eagle/layer0.zarr", "mid-write"),  # rule reduce_attention
+    ("results/frames/demo_a/harbor/layer0.zarr", "before-rename"),
+    ("results/frames/demo_b/eagle/layer0.zarr", "after-rename"),
+]
+
+
+def test_killed_jobs_rerun_to_a_clean_run(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
-    kill_while_making(workdir, target, point)
-    output = workdir / target
-    if point != "after-rename":
-        assert not output.exists(), "a killed job left its output"
-        assert list(output.parent.glob(f"{output.name}*.tmp")), "the kill came before the write"
-    snakemake(workdir, "--unlock")
+    for target, point in JOB_FAULTS:
+        kill_while_making(workdir, target, point)
+        output = workdir / target
+        if point != "after-rename":
+            assert not output.exists(), f"a job killed {point} left {target}"
+            assert list(output.parent.glob(f"{output.name}*.tmp")), f"{target}: killed too early"
+        snakemake(workdir, "--unlock")
     snakemake(workdir)  # a plain rerun
     assert not [
         p for p in (workdir / "results").rglob("*") if p.name.endswith((".tmp", ".partial"))
@@ -88,25 +83,28 @@ def test_a_killed_job_reruns_to_a_clean_run(demo_run, tmp_path, target, point):
     assert [name for name in clean if rerun[name] != clean[name]] == []
 
 
-@pytest.mark.parametrize("point", ["mid-write", "before-rename"])
-def test_a_killed_survey_reruns_to_the_same_attention(demo_run, tmp_path, point):
+def test_killed_surveys_rerun_to_the_same_attention(demo_run, tmp_path):
     """The survey writes every layer's attention store in one job: killed mid-write or with all
     stores whole but the first not yet renamed, it leaves no store, and the rerun writes the same
     arrays (its attributes hold new timestamps)."""
     import xarray as xr
 
     workdir = demo_copy(demo_run, tmp_path / "w")
-    target = "results/attention/demo_a/eagle/layer0.zarr"
-    kill_while_making(workdir, target, point)
-    stores = sorted((workdir / "results/attention/demo_a/eagle").glob("layer*.zarr"))
-    assert stores == [], "a killed survey left a store"
-    snakemake(workdir, "--unlock")
+    runs = {"demo_a/eagle": "mid-write", "demo_b/harbor": "before-rename"}
+    for run, point in runs.items():
+        kill_while_making(workdir, f"results/attention/{run}/layer0.zarr", point)
+        stores = sorted((workdir / f"results/attention/{run}").glob("layer*.zarr"))
+        assert stores == [], f"a survey killed {point} left a store"
+        snakemake(workdir, "--unlock")
     snakemake(workdir)  # a plain rerun
     assert not [p for p in (workdir / "results").rglob("*") if p.name.endswith(".partial")]
-    for layer in range(4):
-        name = f"attention/demo_a/eagle/layer{layer}.zarr"
-        rerun = xr.open_zarr(workdir / "results" / name)
-        clean = xr.open_zarr(demo_run / "results" / name)
-        assert decoded_attrs(rerun)["complete"] is True
-        for variable in ("key_mass", "entropy", "logit_mean_pooled"):
-            np.testing.assert_array_equal(rerun[variable].values, clean[variable].values)
+    for run in runs:
+        for layer in range(4):
+            name = f"attention/{run}/layer{layer}.zarr"
+            rerun = xr.open_zarr(workdir / "results" / name)
+            clean = xr.open_zarr(demo_run / "results" / name)
+            assert decoded_attrs(rerun)["complete"] is True
+            for variable in ("key_mass", "entropy", "logit_mean_pooled"):
+                np.testing.assert_array_equal(
+                    rerun[variable].values, clean[variable].values, err_msg=name
+                )

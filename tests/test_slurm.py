@@ -1,6 +1,7 @@
 """The demo workflow through a real SLURM (a private one-node cluster with two fake GPUs) with
 `--workflow-profile profiles/slurm`: GPU jobs go through sbatch asking for a GPU, small rules run
-locally, and the results equal those of a local run."""
+locally, and the results equal those of a local run (every sbatch job of the demo and the local
+jobs the comparison reads: not the figures of each run)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ RUNS = [(c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
 # The closed loop goes through sbatch as one job; one policy is enough to show it (the demo's
 # seven make it the longest job, and the plugin's status checks back off while it runs).
 CLOSED_LOOP_POLICIES = ("full", "window")
+# What the tests read: every job that goes through sbatch and the local ones the comparison with
+# a local run needs; the demo's figures of each run (local jobs, ~50 s of the 2-core test
+# machine's time) are left out.
+TARGETS = [
+    *(
+        f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr"
+        for checkpoint, prompt, layer in RUNS
+    ),
+    "results/stats/summary.csv",
+    "results/policies/summary.csv",
+    "results/figures/compare/checkpoints.svg",
+    *(f"results/closed_loop/demo_a/eagle/{policy}.safetensors" for policy in CLOSED_LOOP_POLICIES),
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +71,7 @@ def slurm_run(tmp_path_factory):
         # The test cluster has no accounting (slurmdbd), hence squeue, polled every second.
         result = snakemake(
             workdir,
+            *TARGETS,
             "--workflow-profile",
             "profiles/slurm",
             "--slurm-status-command",
