@@ -88,8 +88,9 @@ def attention_store_process(
 
 
 def ring_bytes(call_bytes: int, calls: int = 16) -> int:
-    """A ring that holds `calls` calls of `call_bytes` each (within 16 MB .. 1 GB, and always one
-    call): enough for the child to lag a layer-sweep behind without stalling the model."""
+    """A ring that holds `calls` calls of `call_bytes` each (within 16 MB .. 1 GB, and always at
+    least two calls): enough for the child to lag a layer-sweep behind without stalling the
+    model."""
     return max(MIN_RING_BYTES, min(MAX_RING_BYTES, calls * call_bytes), 2 * call_bytes)
 
 
