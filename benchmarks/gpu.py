@@ -353,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="print torch.profiler's tables of one survey"
     )
+    parser.add_argument(
+        "--survey-only",
+        action="store_true",
+        help="skip the token capture and bfloat16 against float32 (the survey's rows alone)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(
@@ -451,44 +456,47 @@ def main(argv: list[str] | None = None) -> int:
                         "",
                     )
                 )
-            token_layers = [layer for layer in TOKEN_LAYERS if layer < len(layers)]
-            tokens, token_peak, _, token_writer = timed_rollout(
-                model,
-                text,
-                geometry,
-                device,
-                dtype,
-                stores=token_dir,
-                store="tokens",
-                layers=token_layers,
-            )
-            rows.add(
-                (
-                    f"token capture, layers {token_layers}, pass 0",
-                    f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
-                    f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
-                    f"{'within' if token_peak <= estimate['extract'] else 'OVER'}; "
-                    f"writer busy {token_writer:.1f} s",
+            if not args.survey_only:
+                token_layers = [layer for layer in TOKEN_LAYERS if layer < len(layers)]
+                tokens, token_peak, _, token_writer = timed_rollout(
+                    model,
+                    text,
+                    geometry,
+                    device,
+                    dtype,
+                    stores=token_dir,
+                    store="tokens",
+                    layers=token_layers,
                 )
-            )
+                rows.add(
+                    (
+                        f"token capture, layers {token_layers}, pass 0",
+                        f"{tokens:.1f} s, {tokens / plain:.2f} x plain",
+                        f"peak {token_peak / gb:.2f} GB, plan {estimate['extract'] / gb:.2f} GB "
+                        f"{'within' if token_peak <= estimate['extract'] else 'OVER'}; "
+                        f"writer busy {token_writer:.1f} s",
+                    )
+                )
         if rollouts["error"]:
             rows.add(("rollouts", rollouts["error"], ""))
         model = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        with stage("bfloat16 against float32") as comparison:
-            compare_dir = folder / "compare"
-            compare_dir.mkdir()
-            compared = compare_dtypes(scale, device, args.compare_layers, compare_dir)
-            rows.add(
-                (
-                    f"bf16 vs fp32, {args.compare_layers} layers",
-                    f"latents {compared['latents']:.2e} (rel. L2, worst frame)",
-                    f"key_mass {compared['key_mass']:.2e} (abs., worst key)",
+        comparison = {"error": None}
+        if not args.survey_only:
+            with stage("bfloat16 against float32") as comparison:
+                compare_dir = folder / "compare"
+                compare_dir.mkdir()
+                compared = compare_dtypes(scale, device, args.compare_layers, compare_dir)
+                rows.add(
+                    (
+                        f"bf16 vs fp32, {args.compare_layers} layers",
+                        f"latents {compared['latents']:.2e} (rel. L2, worst frame)",
+                        f"key_mass {compared['key_mass']:.2e} (abs., worst key)",
+                    )
                 )
-            )
-        if comparison["error"]:
-            rows.add((f"bf16 vs fp32, {args.compare_layers} layers", comparison["error"], ""))
+            if comparison["error"]:
+                rows.add((f"bf16 vs fp32, {args.compare_layers} layers", comparison["error"], ""))
         failed = bool(rollouts["error"] or comparison["error"])
     print(f"\n### `benchmarks/gpu.py` on {device_name}, torch {torch.__version__}\n")
     print(Table.HEADER)

@@ -1,5 +1,5 @@
 """What the store process's child does on its own thread for each survey call, at the real
-geometry, on the CPU: before, and as `store_process.serve` and `AttentionStoreWriter.write_block`
+geometry, on the CPU: before, and as `store_process.serve` and `AttentionStoreWriter.write_call`
 do it now.
 
 A survey of Wan2.1-T2V-1.3B (30 layers, 12 heads, T = 1560, 21 frames in 7 blocks of 3, 5 passes)
@@ -12,7 +12,10 @@ its thread's part of the work, without compression or disk (the writer threads' 
   (`np.full`) and the visible keys copied over it;
 - now: the arrays read in place (`ArrayRef.view`, the writer declares `copies_arguments`) and
   each chunk's bytes written once (`write_block`: the runs of visible keys, NaN between and
-  after) into a chunk the writer thread has handed back (a new one page-faults each call).
+  after) into a chunk the writer thread has handed back (a new one page-faults each call); and,
+  since the survey's calls hand the child the keys as the cache holds them (`write_call`), the
+  key versions and the pooled logits (the mean of key_logit_mean over each key frame's tokens)
+  derived here, which the model's thread computed on the GPU before.
 
 Run from the repository root: `python benchmarks/store_child.py [--layers 30] [--repeat 3]`
 (about a minute on 2 CPU cores). It prints the seconds of each way and their ratio, best of
@@ -29,6 +32,7 @@ import numpy as np
 
 from sinkscope.extraction.store import AttentionStoreWriter
 from sinkscope.extraction.store_process import ArrayRef
+from sinkscope.schedules import BlockPart, ModelCall
 
 HEADS, T, FRAMES, BLOCK, PASSES = 12, 1560, 21, 3, 5
 
@@ -53,7 +57,9 @@ def before(ring: memoryview, refs, first: int, key_frames: np.ndarray) -> None:
 def now(writer: AttentionStoreWriter, ring: memoryview, refs, first, key_frames) -> None:
     mass, logits = (ref.view(ring) for ref in refs)
     entropy = np.zeros((HEADS, BLOCK), np.float32)
-    writer.write_block(0, first, key_frames, mass, entropy, logits)
+    call = ModelCall("denoise", (BlockPart(first // BLOCK, first, BLOCK, 0, 0),))
+    anchor = np.zeros(len(key_frames), bool)
+    writer.write_call(0, first, call, key_frames, anchor, mass, entropy, logits)
 
 
 def main() -> None:

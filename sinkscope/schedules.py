@@ -66,6 +66,19 @@ def version_code(step: int | None) -> int:
     return KEY_VERSION["clean"] if step is None else NOISY_VERSION + step
 
 
+def key_versions(call: ModelCall, key_frames, anchor):
+    """Which copy of its frame each key of `call` is (`KEY_VERSIONS`), from its latent frame and
+    whether it is Rolling Forcing's anchor (numpy arrays or torch tensors, shaped as they are):
+    the frames the call queries are its own copies at their part's step (clean in a cache pass),
+    the anchor is the anchor, every other key a clean cached copy."""
+    versions = key_frames * 0 + KEY_VERSION["clean"]
+    for part in call.parts:
+        own = (key_frames >= part.start) & (key_frames < part.end)
+        versions[own] = version_code(part.step)
+    versions[anchor] = KEY_VERSION["anchor"]
+    return versions
+
+
 def version_meanings(num_steps: int) -> list[str]:
     """flag_meanings of the version codes 0 .. 1 + num_steps, in code order."""
     return [*KEY_VERSIONS, *(f"step_{s}" for s in range(num_steps))]

@@ -5,9 +5,13 @@ CUDA only (Triton compiles for the GPU; the CPU builds of torch carry no Triton)
 every product of the kernels is exact in float32 (bfloat16 and float16 inputs), sums run in
 float32 and the GPU's exp is accurate to a few float32 ulps, so key_mass (a mean of
 probabilities <= 1) is within 2e-6 absolute of float64 and the row entropies (<= log M, about 6
-here) within 5e-5: the torch path's own bounds, scaled for logits up to ~70. Run on an H200
-(benchmarks/README.md), and under TRITON_INTERPRET=1 on a CPU for float16 (the interpreter's
-bfloat16 dot is wrong): the largest errors were 1.2e-7 and 5.3e-6.
+here) within 5e-5: the torch path's own bounds, scaled for logits up to ~70. key_logit_mean is
+(mean q).k_j * scale from the frame's float32 mean query, a float32 dot over head_dim: within
+1e-5 of float64 (u = 2^-24 times (log2 rows + head_dim) times scale * sum |mean q_d k_d|, ~20
+here, bounds it by 1.6e-4; such bounds are reached by no real sum), and of the torch path (the
+mean in float64) within 1e-6 at the real geometry (mean logits up to ~0.25 there). Run on an
+H200 (benchmarks/README.md), and under TRITON_INTERPRET=1 on a CPU for float16 (the
+interpreter's bfloat16 dot is wrong): the largest errors were 1.2e-7, 5.3e-6, 8.1e-7 and 4.5e-8.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 import torch
 
 from sinkscope.extraction import fused_softmax
-from sinkscope.extraction.capture import LogitCapture, softmax_reductions
+from sinkscope.extraction.capture import LogitCapture, frame_reductions, softmax_reductions
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or fused_softmax._kernels() is None,
@@ -27,10 +31,12 @@ pytestmark = pytest.mark.skipif(
 )
 MASS_ATOL = 2e-6
 ENTROPY_ATOL = 5e-5
+LOGIT_ATOL = 1e-5
 
 
 def _float64(q, k, scale, frames, bias=None):
-    """key_mass [H, F, M] and entropy [H, F, T] by a float64 softmax of the whole matrix."""
+    """key_mass [H, F, M], entropy [H, F, T] and key_logit_mean [H, F, M] by a float64 softmax
+    of the whole matrix."""
     q, k = q.double(), k.double()
     rows = q.shape[0] // frames
     logits = torch.einsum("fthd,mhd->hftm", q.unflatten(0, (frames, rows)), k) * scale
@@ -38,7 +44,7 @@ def _float64(q, k, scale, frames, bias=None):
         logits = logits + bias.double()
     p = torch.softmax(logits, dim=-1)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
-    return p.mean(dim=2).cpu().numpy(), entropy.cpu().numpy()
+    return p.mean(dim=2).cpu().numpy(), entropy.cpu().numpy(), logits.mean(dim=2).cpu().numpy()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -55,19 +61,21 @@ def test_fused_reductions_equal_float64(dtype, head_dim, with_bias):
     q, k = q.to(dtype), k.to(dtype)
     bias = torch.randn(keys, generator=g) if with_bias else None
     scale = 1 / math.sqrt(head_dim)
-    expected_mass, expected_entropy = _float64(q, k, scale, frames, bias)
-    mass, entropy = fused_softmax.fused_reductions(
+    expected_mass, expected_entropy, expected_logit = _float64(q, k, scale, frames, bias)
+    mass, entropy, logit = fused_softmax.fused_reductions(
         q.cuda(), k.cuda(), scale, frames, None if bias is None else bias.cuda()
     )
-    assert mass.dtype == entropy.dtype == torch.float32
-    assert mass.shape == (heads, frames, keys) and entropy.shape == (heads, frames, rows)
+    assert mass.dtype == entropy.dtype == logit.dtype == torch.float32
+    assert mass.shape == logit.shape == (heads, frames, keys)
+    assert entropy.shape == (heads, frames, rows)
     np.testing.assert_allclose(mass.cpu().numpy(), expected_mass, rtol=0, atol=MASS_ATOL)
     np.testing.assert_allclose(entropy.cpu().numpy(), expected_entropy, rtol=0, atol=ENTROPY_ATOL)
+    np.testing.assert_allclose(logit.cpu().numpy(), expected_logit, rtol=0, atol=LOGIT_ATOL)
     np.testing.assert_allclose(mass.sum(-1).cpu().numpy(), 1, atol=1e-5)
     assert expected_entropy[0].mean() < 1.5 and expected_entropy[1].min() > 3  # peaked, flat
 
 
-def test_fused_reductions_equal_the_torch_path_at_the_real_geometry():
+def test_fused_reductions_equal_the_torch_path_at_the_real_geometry(monkeypatch):
     """One block of 3 frames of 1560 tokens at head_dim 128 in bfloat16 against 3 blocks of
     keys, strided as the model hands them (q a slice of [L, heads, D])."""
     g = torch.Generator().manual_seed(0)
@@ -76,7 +84,7 @@ def test_fused_reductions_equal_the_torch_path_at_the_real_geometry():
     q = q_all[frames * t :]
     k = (torch.randn(keys, heads, head_dim, generator=g) * 2).to("cuda", torch.bfloat16)
     scale = 1 / math.sqrt(head_dim)
-    mass, entropy = fused_softmax.fused_reductions(q, k, scale, frames)
+    mass, entropy, logit = fused_softmax.fused_reductions(q, k, scale, frames)
     for head in range(heads):
         for frame in range(frames):
             rows = q[frame * t : (frame + 1) * t, head]
@@ -85,6 +93,9 @@ def test_fused_reductions_equal_the_torch_path_at_the_real_geometry():
             torch.testing.assert_close(
                 entropy[head, frame], torch_entropy, rtol=0, atol=ENTROPY_ATOL
             )
+    monkeypatch.setenv("SINKSCOPE_FUSED_SOFTMAX", "0")
+    _, _, torch_logit = frame_reductions(q, k, scale, frames)
+    torch.testing.assert_close(logit, torch_logit, rtol=0, atol=1e-6)
 
 
 def test_the_capture_takes_the_fused_path_on_a_gpu_and_agrees_with_the_torch_path(monkeypatch):

@@ -28,6 +28,7 @@ from sinkscope.extraction.store_process import (
     StoreProcess,
     attention_call_bytes,
 )
+from sinkscope.schedules import BlockPart, ModelCall
 
 from .workflowtools import REPO
 
@@ -102,6 +103,50 @@ def test_an_attention_store_through_the_process_is_the_store_written_in_process(
         assert not (tmp_path / "there.zarr").exists()  # complete only once the process closed
     assert remote.bytes_written > 0
     assert_same_store(tmp_path / "here.zarr", tmp_path / "there.zarr")
+
+
+def test_write_call_files_keys_in_any_order_and_derives_versions_and_pooled_logits(tmp_path):
+    """What a survey call hands over (`write_call`): the keys in the cache's slot order, here a
+    ring that wrapped ([3, 4, 5 | 0, 1, 2] against ascending), through the process and in
+    process: one store, whose versions are the hand table's and whose pooled logits are the mean
+    of key_logit_mean over each key frame's tokens."""
+    rng = np.random.default_rng(3)
+    call = ModelCall("denoise", (BlockPart(1, BLOCK, BLOCK, step=1, pass_index=1),))
+    frames = np.arange(FRAMES)
+    anchor = frames == 0  # as Rolling Forcing's anchor: version 1 whatever else it is
+    mass = rng.random((HEADS, BLOCK, FRAMES * T), dtype=np.float32)
+    entropy = rng.random((HEADS, BLOCK), dtype=np.float32)
+    logit = rng.normal(size=(HEADS, BLOCK, FRAMES * T)).astype(np.float32)
+    slots = np.r_[3:6, 0:3]  # slot i holds frame slots[i]
+    columns = (slots[:, None] * T + np.arange(T)).ravel()
+    with AttentionStoreWriter(tmp_path / "ascending.zarr", **COMMON) as writer:
+        writer.write_call(1, BLOCK, call, frames, anchor, mass, entropy, logit)
+    with StoreProcess(4096) as process:
+        remote = process.open(AttentionStoreWriter, tmp_path / "wrapped.zarr", **COMMON)
+        with remote:
+            remote.write_call(
+                1,
+                BLOCK,
+                call,
+                torch.from_numpy(slots),
+                torch.from_numpy(anchor[slots]),
+                torch.from_numpy(mass[..., columns]),
+                torch.from_numpy(entropy),
+                torch.from_numpy(logit[..., columns]),
+            )
+    assert_same_store(tmp_path / "ascending.zarr", tmp_path / "wrapped.zarr")
+    store = xr.open_zarr(tmp_path / "wrapped.zarr")
+    queries = slice(BLOCK, 2 * BLOCK)
+    # Frames 3-5 are the call's own at step 1 (code 2 + 1), 1-2 clean cached copies, 0 the anchor.
+    expected = np.array([[1, 0, 0, 3, 3, 3]] * BLOCK, np.int8)
+    np.testing.assert_array_equal(store.key_version.values[1, queries], expected)
+    np.testing.assert_array_equal(store.key_mass.values[1, :, queries], mass)
+    np.testing.assert_array_equal(store.key_logit_mean.values[1, :, queries], logit)
+    pooled = logit.astype(np.float64).reshape(HEADS, BLOCK, FRAMES, T).mean(axis=-1)
+    np.testing.assert_allclose(
+        store.logit_mean_pooled.values[1, :, queries], pooled, rtol=1e-7, atol=0
+    )
+    assert np.isnan(store.logit_mean_pooled.values[0]).all()  # step 0: never written
 
 
 def test_a_store_over_slots_through_the_process_is_the_store_written_in_process(tmp_path):

@@ -262,7 +262,7 @@ class TopCKVCache(CacheEngine):
     def _score(self, q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
         """Each visible key's mean softmax probability over the queries q, per head, as the
         survey's capture computes it."""
-        key_mass, _ = frame_reductions(q[0], keys[0], self.scale, frames=1)
+        key_mass, _, _ = frame_reductions(q[0], keys[0], self.scale, frames=1)
         return key_mass[:, 0].cpu().numpy()
 
     def begin_pass(self, kind: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from sinkscope.cache_choices import KEY_KIND
-from sinkscope.schedules import KEY_VERSION, BlockPart, ModelCall, version_code
+from sinkscope.schedules import BlockPart, ModelCall, key_versions
 from sinkscope.wan.model import VisibleKeys
 
 from . import fused_softmax
@@ -78,14 +78,18 @@ def frame_reductions(
     frames: int,
     bias: torch.Tensor | None = None,
     row_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """key_mass [heads, frames, M] and mean row entropy [heads, frames], float32, of queries q
-    [frames * T, heads, D] against keys k [M, heads, D]: `fused_softmax`'s kernels where they run
-    (a 16-bit model on a GPU), else `softmax_reductions` per (head, query frame) tile,
-    `row_chunk` rows at a time (None: CPU_SOFTMAX_ROWS on the CPU, a whole tile on a GPU)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key_mass [heads, frames, M], mean row entropy [heads, frames] and key_logit_mean [heads,
+    frames, M] (each key's mean scaled logit over the frame's rows, `bias` included), float32, of
+    queries q [frames * T, heads, D] against keys k [M, heads, D]: `fused_softmax`'s kernels where
+    they run (a 16-bit model on a GPU), else `softmax_reductions` per (head, query frame) tile,
+    `row_chunk` rows at a time (None: CPU_SOFTMAX_ROWS on the CPU, a whole tile on a GPU), and
+    key_logit_mean from the frame's mean query."""
     if fused_softmax.usable(q, k):
-        key_mass, row_entropy = fused_softmax.fused_reductions(q, k, scale, frames, bias)
-        return key_mass, row_entropy.mean(dim=-1)
+        key_mass, row_entropy, key_logit_mean = fused_softmax.fused_reductions(
+            q, k, scale, frames, bias
+        )
+        return key_mass, row_entropy.mean(dim=-1), key_logit_mean
     rows = row_chunk or (CPU_SOFTMAX_ROWS if q.device.type == "cpu" else None)
     t, heads = q.shape[0] // frames, q.shape[1]
     key_mass = torch.empty((heads, frames, k.shape[0]), device=q.device)
@@ -97,20 +101,13 @@ def frame_reductions(
             mass, row_entropy = softmax_reductions(q_frame, k_head, scale, rows, bias)
             key_mass[head, frame] = mass
             entropy[head, frame] = row_entropy.mean()
-    return key_mass, entropy
-
-
-def key_versions(call: ModelCall, key_frames: torch.Tensor, kinds: torch.Tensor) -> torch.Tensor:
-    """Which copy of its frame each key of `call` is (`sinkscope.schedules.KEY_VERSIONS`), from
-    its latent frame and its kind (`cache_choices.KEY_KIND`), shaped as they are: the frames the
-    call queries are its own copies at their part's step (clean in a cache pass), Rolling
-    Forcing's anchor is the anchor, every other key a clean cached copy."""
-    versions = torch.full_like(key_frames, KEY_VERSION["clean"])
-    for part in call.parts:
-        own = (key_frames >= part.start) & (key_frames < part.end)
-        versions[own] = version_code(part.step)
-    versions[kinds == KEY_KIND["anchor"]] = KEY_VERSION["anchor"]
-    return versions
+    # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
+    # (the mean in float64, the products in float32 like the softmax's), bias included.
+    q_mean = q.unflatten(0, (frames, t)).mean(dim=1, dtype=torch.float64).float()
+    key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k.float()) * scale
+    if bias is not None:
+        key_logit_mean += bias.float()
+    return key_mass, entropy, key_logit_mean
 
 
 def for_writer(writer, *values: torch.Tensor) -> tuple:
@@ -210,10 +207,22 @@ class LogitCapture:
             )
         # Cache slots hold whole frames; their absolute frames, in slot order.
         slot_frames = key_tokens[::t] // t
+        anchor = visible.labels(t)[1][::t] == KEY_KIND["anchor"]
+        if writer.store_kind == "attention":
+            # The writer files the keys in slot order and derives the versions and the pooled
+            # logits itself: a survey call launches the reductions and hands them over, no more
+            # (on a GPU the model thread's launches per call bound the survey's time).
+            key_mass, entropy, key_logit_mean = self._reductions(q, k)
+            writer.write_call(
+                step,
+                first_frame,
+                call,
+                *for_writer(writer, slot_frames, anchor, key_mass, entropy, key_logit_mean),
+            )
+            return
         order = torch.argsort(slot_frames)
         key_frames = slot_frames[order]
-        kinds = visible.labels(t)[1][::t][order]
-        versions = key_versions(call, key_frames, kinds).to(torch.int8)
+        versions = key_versions(call, key_frames, anchor[order]).to(torch.int8)
         # Keys in ascending absolute frame order, so the store row is filled by contiguous runs.
         k_sorted = k.unflatten(0, (-1, t))[order].flatten(0, 1)
         # Mean over all token pairs of q.k = (mean q).(mean k): frame-level logits without pairs.
@@ -223,9 +232,7 @@ class LogitCapture:
         # As the writer takes them, once for all of this call's writes.
         key_frames, pooled, versions = for_writer(writer, key_frames, pooled.float(), versions)
         writer.write_pooled(step, first_frame, key_frames, pooled, versions)
-        if writer.store_kind == "attention":
-            self._attention(writer, step, q, k_sorted, key_frames, first_frame)
-        elif writer.tokens:
+        if writer.tokens:
             self._tiles(writer, step, q, k_sorted, key_frames, first_frame)
 
     def _tiles(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
@@ -242,16 +249,8 @@ class LogitCapture:
     def _reductions(self, q, k, bias=None):
         """key_mass and key_logit_mean [heads, query frames, keys] and entropy [heads, query
         frames] of the call's queries q [n, heads, D] against its keys k [M, heads, D]."""
-        t = self.frame_seq_length
-        frames = q.shape[0] // t
-        key_mass, entropy = frame_reductions(q, k, self.scale, frames, bias, self.softmax_rows)
-        # Mean over a query frame's tokens of q.k_j = (mean q).k_j: each key token's mean logit
-        # (the mean in float64, the products in float32 like the softmax's), bias included.
-        q_mean = q.double().unflatten(0, (frames, t)).mean(dim=1).float()
-        key_logit_mean = torch.einsum("fhd,khd->hfk", q_mean, k.float()) * self.scale
-        if bias is not None:
-            key_logit_mean += bias.float()
-        return key_mass, entropy, key_logit_mean
+        frames = q.shape[0] // self.frame_seq_length
+        return frame_reductions(q, k, self.scale, frames, bias, self.softmax_rows)
 
     def _slots(self, writer: SlotStoreWriter, step, first_frame, q, k, visible, call) -> None:
         """One block's queries into a store over cache slots: the keys in the cache's order,
@@ -265,7 +264,7 @@ class LogitCapture:
             "slot_token": tokens % t,
             "slot_position": positions,
             "slot_kind": kinds,
-            "slot_version": key_versions(call, tokens // t, kinds),
+            "slot_version": key_versions(call, tokens // t, kinds == KEY_KIND["anchor"]),
         }
         # Per-head choices come as [M, heads]; the store takes [heads, M].
         names = list(labels)
@@ -277,13 +276,4 @@ class LogitCapture:
             first_frame,
             *for_writer(writer, key_mass, entropy, key_logit_mean),
             dict(zip(names, labels, strict=True)),
-        )
-
-    def _attention(self, writer, step, q, k_sorted, key_frames, first_frame) -> None:
-        key_mass, entropy, key_logit_mean = self._reductions(q, k_sorted)
-        writer.write_block(
-            step,
-            first_frame,
-            key_frames,
-            *for_writer(writer, key_mass, entropy, key_logit_mean),
         )

@@ -9,7 +9,10 @@ of q.k live in registers only:
 - pass 1, per block of query rows, runs once over the keys keeping the running max m, Z = sum
   e^(s-m) and A = sum e^(s-m) (s-m): the row's log normaliser is m + log Z and its entropy
   -sum p log p = log Z - A / Z;
-- pass 2, per block of keys, runs over the rows and sums p = e^(s - lse) into each key's mass.
+- pass 2, per block of keys, runs over the rows and sums p = e^(s - lse) into each key's mass;
+  with the keys in registers it also takes each key's mean logit over the rows,
+  `key_logit_mean` = (mean q).k_j * scale (+ bias), from the frame's mean query (one launch
+  before the kernels: no product, copy or launch of its own).
 
 q.k is computed twice (twice the products, none of the memory traffic). bfloat16 (and float16) q
 and k multiply exactly into float32 and accumulate in float32, as the torch path's float32 matmul
@@ -108,6 +111,8 @@ def _kernels():
         bias_ptr,
         lse_ptr,
         mass_ptr,
+        q_mean_ptr,
+        logit_ptr,
         rows,
         keys,
         frames,
@@ -116,6 +121,8 @@ def _kernels():
         stride_qh,
         stride_kr,
         stride_kh,
+        stride_mf,
+        stride_mh,
         HAS_BIAS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -133,6 +140,13 @@ def _kernels():
         k = tl.load(k_ptr + k_rows + offs_d[None, :], mask=k_mask, other=0.0)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=key_ok, other=0.0)
+        # Each key's mean logit over the frame's rows: (mean q).k, in float32.
+        q_mean = tl.load(
+            q_mean_ptr + frame * stride_mf + head * stride_mh + offs_d, mask=d_ok, other=0.0
+        )
+        logit = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * scale
+        if HAS_BIAS:
+            logit += bias
         mass = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, rows, BLOCK_M):
             offs_m = start + tl.arange(0, BLOCK_M)
@@ -147,7 +161,9 @@ def _kernels():
                 s += bias[None, :]
             p = tl.exp(s - lse[:, None])
             mass += tl.sum(tl.where(row_ok[:, None] & key_ok[None, :], p, 0.0), axis=0)
-        tl.store(mass_ptr + group * keys + offs_n, mass / rows, mask=key_ok)
+        out = group * keys + offs_n
+        tl.store(mass_ptr + out, mass / rows, mask=key_ok)
+        tl.store(logit_ptr + out, logit, mask=key_ok)
 
     return triton, row_stats, key_mass
 
@@ -167,13 +183,15 @@ def fused_reductions(
     scale: float,
     frames: int,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The exact softmax of each (head, query frame)'s rows against all keys, reduced.
 
     q [frames * T, heads, D] (T rows per query frame), k [M, heads, D], both bfloat16 or both
     float16; `bias` [M] is added to every row's scaled logits. Returns float32
-    key_mass [heads, frames, M] (each key's mean probability over the frame's rows) and entropy
-    [heads, frames, T] (each row's -sum p log p, in nats), as `softmax_reductions` per tile.
+    key_mass [heads, frames, M] (each key's mean probability over the frame's rows), entropy
+    [heads, frames, T] (each row's -sum p log p, in nats), as `softmax_reductions` per tile, and
+    key_logit_mean [heads, frames, M] (each key's mean scaled logit over the frame's rows, bias
+    included: (mean q).k from the frame's float32 mean query).
     """
     triton, row_stats, key_mass = _kernels()
     if q.dtype != k.dtype or q.dtype not in DTYPES:
@@ -191,6 +209,8 @@ def fused_reductions(
     lse = torch.empty((groups, rows), dtype=torch.float32, device=device)
     entropy = torch.empty((groups, rows), dtype=torch.float32, device=device)
     mass = torch.empty((groups, keys), dtype=torch.float32, device=device)
+    logit = torch.empty((groups, keys), dtype=torch.float32, device=device)
+    q_mean = q.unflatten(0, (frames, rows)).mean(dim=1, dtype=torch.float32)  # [frames, heads, D]
     bias = None if bias is None else bias.float().contiguous()
     common = {
         "HAS_BIAS": bias is not None,
@@ -207,7 +227,9 @@ def fused_reductions(
     )  # fmt: skip
     block_m, block_n, warps, stages = BLOCKS["keys"]
     key_mass[(triton.cdiv(keys, block_n), groups)](
-        q, k, bias if bias is not None else q, lse, mass, *sizes, *strides, **common,
+        q, k, bias if bias is not None else q, lse, mass, q_mean, logit, *sizes, *strides,
+        q_mean.stride(0), q_mean.stride(1), **common,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return mass.view(heads, frames, keys), entropy.view(heads, frames, rows)
+    shape = (heads, frames, keys)
+    return mass.view(shape), entropy.view(heads, frames, rows), logit.view(shape)

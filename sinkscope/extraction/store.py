@@ -22,7 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 
-from sinkscope.schedules import UNSEEN_VERSION
+from sinkscope.schedules import UNSEEN_VERSION, ModelCall, key_versions
 from sinkscope.storage import (
     VARIABLE_ATTRS,
     checked_compressors,
@@ -99,7 +99,9 @@ def partial_path(path: Path) -> Path:
 
 
 def key_frame_runs(key_frames: np.ndarray) -> list[tuple[int, int, int]]:
-    """Contiguous runs of visible key frames as (first frame, stop frame, offset in the tile)."""
+    """Runs of key frames that lie side by side both in the tile and in the video, as (first
+    frame, stop frame, offset in the tile in frames), in tile order (ascending frames when the
+    tile's are)."""
     runs = []
     offset = 0
     start = prev = int(key_frames[0])
@@ -465,6 +467,32 @@ class AttentionStoreWriter(_StoreWriter):
                 return self._spare_rows.pop(index)
         return np.empty(shape, np.float32)
 
+    def write_call(
+        self,
+        step: int,
+        first_query_frame: int,
+        call: ModelCall,
+        key_frames: np.ndarray,
+        anchor: np.ndarray,
+        key_mass: np.ndarray,
+        entropy: np.ndarray,
+        key_logit_mean: np.ndarray,
+    ) -> None:
+        """One pass call's block, whole: `write_block`, and its pooled logits and key versions
+        (`write_pooled`) derived here from what the call saw. `call`: the model call; key_frames
+        (distinct, in any order) and `anchor` (whether a key frame is Rolling Forcing's anchor)
+        per key frame of the rows.
+
+        The pooled logits are the mean of key_logit_mean over each key frame's T tokens (float64):
+        the mean logit over the frame pair's token pairs, which a token store computes as
+        (mean q).(mean k)."""
+        t = self.frame_seq_length
+        heads, frames, _ = key_logit_mean.shape
+        pooled = key_logit_mean.reshape(heads, frames, -1, t).mean(axis=-1, dtype=np.float64)
+        versions = key_versions(call, np.asarray(key_frames), anchor).astype(np.int8)
+        self.write_pooled(step, first_query_frame, key_frames, pooled, versions)
+        self.write_block(step, first_query_frame, key_frames, key_mass, entropy, key_logit_mean)
+
     def write_block(
         self,
         step: int,
@@ -475,12 +503,12 @@ class AttentionStoreWriter(_StoreWriter):
         key_logit_mean: np.ndarray,
     ) -> None:
         """key_mass and key_logit_mean [heads, query frames, len(key_frames) * T] against the
-        visible key frames (ascending absolute frames, whole frames) and entropy [heads, query
-        frames] of one pass call; the rows are spread onto all N key tokens (NaN where not
-        visible) and queued."""
+        visible key frames (distinct absolute frames, whole frames, in any order) and entropy
+        [heads, query frames] of one pass call; the rows are spread onto all N key tokens (NaN
+        where not visible) and queued."""
         t = self.frame_seq_length
         heads, frames, _ = key_mass.shape
-        runs = key_frame_runs(key_frames)
+        runs = sorted(key_frame_runs(key_frames))
         spread = []
         for values in (key_mass, key_logit_mean):
             # Every byte written once, the runs and NaN between and after them (a chunk filled

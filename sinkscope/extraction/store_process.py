@@ -527,8 +527,22 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
             pass
 
 
+def yield_to_the_model() -> None:
+    """Leave the parent's threads their cores: the thread that launches the model's kernels is
+    what a survey's time waits on, and 30 stores compressing at once would otherwise take every
+    core of the machine (zarr's codec pool is cores + 4 threads). The child runs at a lower
+    priority and compresses on all but two of the cores it may use; idle cores are still all
+    its own."""
+    import zarr
+
+    os.nice(10)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    zarr.config.set({"threading.max_workers": max(1, (cores or 1) - 2)})
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    yield_to_the_model()
     fd, size, dry_run = (int(value) for value in sys.argv[1:4])
     serve(fd, size, bool(dry_run), sys.stdin.buffer, sys.stdout.buffer)
 
