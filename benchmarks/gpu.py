@@ -170,13 +170,27 @@ def compile_kernels(model, geometry, device, dtype) -> None:
 
 
 class Timed(NamedTuple):
-    """One timed rollout: wall seconds (stores closed), peak GPU bytes, the latents, and the
-    seconds its store writer threads were busy, summed."""
+    """One timed rollout: wall seconds (stores closed), peak GPU bytes, the latents, the seconds
+    its store writer threads were busy, summed; with a store process, the seconds of the wall
+    time spent closing the stores after the rollout (the child's backlog), and the model thread's
+    seconds in the process's calls and, of those, waiting for room in its ring."""
 
     seconds: float
     peak: int
     latents: torch.Tensor
     write_seconds: float
+    close_seconds: float = 0.0
+    call_seconds: float = 0.0
+    ring_wait_seconds: float = 0.0
+
+
+def waits(timed: Timed) -> str:
+    """Where a survey through the store process spent its time besides the model's work."""
+    return (
+        f"the model thread in the process's calls {timed.call_seconds:.1f} s (waiting for ring "
+        f"room {timed.ring_wait_seconds:.1f} s), closing after the rollout "
+        f"{timed.close_seconds:.1f} s"
+    )
 
 
 def timed_rollout(
@@ -208,6 +222,7 @@ def timed_rollout(
     reset_peak(device)
     synchronize(device)
     started = time.perf_counter()
+    process = None
     with contextlib.ExitStack() as stack:
         capture, writers = None, {}
         if stores is not None:
@@ -246,9 +261,20 @@ def timed_rollout(
         finally:
             model.set_capture(None)
         synchronize(device)
+        rolled_out = time.perf_counter()
     seconds = time.perf_counter() - started  # the writers closed: everything on disk
     write_seconds = sum(writer.write_seconds for writer in writers.values())
-    return Timed(seconds, peak(device), latents, write_seconds)
+    if process is None:
+        return Timed(seconds, peak(device), latents, write_seconds)
+    return Timed(
+        seconds,
+        peak(device),
+        latents,
+        write_seconds,
+        started + seconds - rolled_out,
+        process.call_seconds,
+        process.ring_wait_seconds,
+    )
 
 
 def profile(model, text, geometry, device, dtype, stores: Path, layers) -> None:
@@ -393,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
             survey_dir, token_dir = folder / "survey", folder / "tokens"
             survey_dir.mkdir()
             token_dir.mkdir()
-            survey, survey_peak, _, survey_writers = timed_rollout(
+            surveyed = timed_rollout(
                 model, text, geometry, device, dtype, stores=survey_dir, layers=layers
             )
+            survey, survey_peak = surveyed.seconds, surveyed.peak
             ratio = survey / plain
             rows.add(
                 (
@@ -404,10 +431,10 @@ def main(argv: list[str] | None = None) -> int:
                     f" {'met' if ratio <= TIME_RATIO_TARGET else 'MISSED'}",
                     f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
                     f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}; "
-                    f"writers busy {survey_writers:.1f} s in all",
+                    f"writers busy {surveyed.write_seconds:.1f} s in all; " + waits(surveyed),
                 )
             )
-            discarded = timed_rollout(
+            dropped = timed_rollout(
                 model,
                 text,
                 geometry,
@@ -416,12 +443,14 @@ def main(argv: list[str] | None = None) -> int:
                 stores=folder,
                 store="discarded",
                 layers=layers,
-            ).seconds
+            )
+            discarded = dropped.seconds
             rows.add(
                 (
                     "survey, reductions copied to the store process, not stored",
                     f"{discarded:.1f} s, {discarded / plain:.2f} x plain",
-                    f"the stores' share of the survey: {survey - discarded:.1f} s",
+                    f"the stores' share of the survey: {survey - discarded:.1f} s; "
+                    + waits(dropped),
                 )
             )
             on_device = timed_rollout(
@@ -458,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if not args.survey_only:
                 token_layers = [layer for layer in TOKEN_LAYERS if layer < len(layers)]
-                tokens, token_peak, _, token_writer = timed_rollout(
+                tokens, token_peak, _, token_writer, *_ = timed_rollout(
                     model,
                     text,
                     geometry,

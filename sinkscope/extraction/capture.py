@@ -7,8 +7,9 @@ token store (Contract 1) each such tile is queued to the store as float16. For a
 device to what the frame-level questions need: the mean probability of every key token over the
 query frame's rows (`key_mass`), the mean row entropy, and each key token's mean logit over the
 rows (`key_logit_mean`, from the frame's mean query: what a raw q.k score, Deep Forcing's
-Participative Compression, ranks by). Both record frame-level mean logits from mean-pooled q and
-k, which need no token pairs at all.
+Participative Compression, ranks by). Both record frame-level mean logits, which need no token
+pairs at all: a token store's from mean-pooled q and k, an attention store's as the mean of
+key_logit_mean over each key frame's tokens (the writer derives them).
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ class LogitCapture:
         if writer.store_kind == "attention":
             # The writer files the keys in slot order and derives the versions and the pooled
             # logits itself: a survey call launches the reductions and hands them over, no more
-            # (on a GPU the model thread's launches per call bound the survey's time).
+            # (the sorting, gathering and pooling done here before were a quarter of a GPU
+            # survey's kernel launches, all on the thread that feeds the GPU).
             key_mass, entropy, key_logit_mean = self._reductions(q, k)
             writer.write_call(
                 step,

@@ -150,6 +150,10 @@ class StoreProcess:
                 )
             self._stream = torch.cuda.Stream()
         self._handed_out = 0
+        # The calling thread's seconds in `call`, and of those, waiting for room in the ring (the
+        # child, or the GPU's copies, behind): what the model's thread pays (benchmarks/gpu.py).
+        self.call_seconds = 0.0
+        self.ring_wait_seconds = 0.0
         self._paths: list[Path] = []
         stderr = _log_handle()
         self._child = subprocess.Popen(
@@ -186,6 +190,7 @@ class StoreProcess:
     def call(self, key: int, method: str, args: tuple) -> None:
         """Queue `method(*args)` of writer `key`; tensors and arrays in `args` (also inside
         dicts, lists and tuples) go through the ring, the GPU's without a wait."""
+        started = time.perf_counter()
         self._check(key)
         copies: list = []
         handed_out = self._handed_out
@@ -196,6 +201,7 @@ class StoreProcess:
             raise
         event = self._copy(copies)
         self._outbox.put((event, ("call", key, method, packed, self._handed_out)))
+        self.call_seconds += time.perf_counter() - started
 
     def close_writer(self, writer: RemoteWriter) -> None:
         """Close `writer` in the child after its queued calls, without a wait: the child closes
@@ -234,9 +240,12 @@ class StoreProcess:
         if offset + size > self.ring_size:  # never across the end: skip to the start
             self._handed_out += self.ring_size - offset
             offset = 0
-        while self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
-            self._check(None)
-            time.sleep(0.0005)
+        if self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
+            waiting = time.perf_counter()
+            while self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
+                self._check(None)
+                time.sleep(0.0005)
+            self.ring_wait_seconds += time.perf_counter() - waiting
         self._handed_out += size
         return offset
 
