@@ -11,8 +11,8 @@ of q.k live in registers only:
   -sum p log p = log Z - A / Z;
 - pass 2, per block of keys, runs over the rows and sums p = e^(s - lse) into each key's mass;
   with the keys in registers it also takes each key's mean logit over the rows,
-  `key_logit_mean` = (mean q).k_j * scale (+ bias), from the frame's mean query (one launch
-  before the kernels: no product, copy or launch of its own).
+  `key_logit_mean` = (mean q).k_j * scale (+ bias), from the frame's float32 mean query (one
+  launch before the kernels; no copy of k, no matmul of its own).
 
 q.k is computed twice (twice the products, none of the memory traffic). bfloat16 (and float16) q
 and k multiply exactly into float32 and accumulate in float32, as the torch path's float32 matmul
