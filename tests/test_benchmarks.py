@@ -35,3 +35,19 @@ def test_gpu_benchmark_smoke_prints_its_table(capsys):
     assert "| token capture, layers [0], pass 0 |" in table
     assert "| bf16 vs fp32, 2 layers | latents " in table
     assert "FAILED" not in table  # a stage that fails becomes its row's error
+
+
+def test_the_surveys_through_the_store_process_say_where_their_time_went(capsys):
+    """Both surveys through the store process name the model thread's seconds in its calls, its
+    waits for ring room and the close after the rollout; `--survey-only` leaves the token capture
+    and the dtype comparison out."""
+    assert _gpu_benchmark().main(["--cpu-smoke", "--survey-only"]) == 0
+    table = capsys.readouterr().out.split("### `benchmarks/gpu.py`")[-1]
+    through = [
+        line for line in table.splitlines() if "store process" in line or "x 5 passes" in line
+    ]
+    assert len(through) == 2, table
+    for line in through:
+        assert "waiting for ring room" in line and "closing after the rollout" in line, line
+    assert "token capture" not in table and "bf16 vs fp32" not in table
+    assert "FAILED" not in table
