@@ -194,13 +194,23 @@ def waits(timed: Timed) -> str:
 
 
 def timed_rollout(
-    model, text, geometry, device, dtype, *, stores=None, store="attention", layers=()
+    model,
+    text,
+    geometry,
+    device,
+    dtype,
+    *,
+    stores=None,
+    store="attention",
+    layers=(),
+    ready_first=False,
 ):
     """One rollout, capturing `layers` into stores of kind `store` (`attention`, `tokens`,
     `discarded`: attention reductions copied to the store process, which drops them, or `device`:
     the reductions computed and dropped on the device) under the folder `stores` when given.
     Attention stores are written as `extraction.job.plan_stores` writes them: in a
-    `StoreProcess`."""
+    `StoreProcess`; `ready_first`: the timer starts once its child has started and opened them
+    (as for a job that started it before its weights load), not before it starts."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
@@ -243,6 +253,9 @@ def timed_rollout(
             for layer in layers:
                 path = stores / f"{store}{layer}.zarr"
                 writers[layer] = stack.enter_context(open_store(path, **common))
+            if ready_first and process is not None:
+                process.ready()
+                started = time.perf_counter()
             make = device_only_capture if store == "device" else LogitCapture
             capture = make(writers, passes, t, cfg.head_dim)
             model.set_capture(capture, capture.layers)
@@ -432,6 +445,25 @@ def main(argv: list[str] | None = None) -> int:
                     f"peak {survey_peak / gb:.2f} GB, plan {estimate['survey'] / gb:.2f} GB "
                     f"{'within' if survey_peak <= estimate['survey'] else 'OVER'}; "
                     f"writers busy {surveyed.write_seconds:.1f} s in all; " + waits(surveyed),
+                )
+            )
+            (survey_dir / "ready_first").mkdir()
+            early = timed_rollout(
+                model,
+                text,
+                geometry,
+                device,
+                dtype,
+                stores=survey_dir / "ready_first",
+                layers=layers,
+                ready_first=True,
+            )
+            rows.add(
+                (
+                    "survey, the store process started and its stores opened before the timer",
+                    f"{early.seconds:.1f} s, {early.seconds / plain:.2f} x plain",
+                    f"the child's start and opens: {survey - early.seconds:.1f} s of the "
+                    "survey; " + waits(early),
                 )
             )
             dropped = timed_rollout(

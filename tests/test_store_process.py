@@ -149,6 +149,25 @@ def test_write_call_files_keys_in_any_order_and_derives_versions_and_pooled_logi
     assert np.isnan(store.logit_mean_pooled.values[0]).all()  # step 0: never written
 
 
+def test_ready_returns_once_the_child_has_done_what_was_queued(tmp_path):
+    """`ready` is a round trip behind everything queued: the stores are open (their `.partial`
+    folders there) and the calls written when it returns, and the process still takes calls."""
+    calls = attention_calls()
+    with StoreProcess(1 << 20) as process:
+        remote = [
+            process.open(AttentionStoreWriter, tmp_path / f"s{i}.zarr", **COMMON) for i in (0, 1)
+        ]
+        write_attention(remote[0], calls[:2], as_tensors=True)
+        process.ready()
+        assert all((tmp_path / f"s{i}.zarr.partial").is_dir() for i in (0, 1))
+        write_attention(remote[0], calls[2:], as_tensors=True)
+        for writer in remote:
+            writer.close()
+    with AttentionStoreWriter(tmp_path / "here.zarr", **COMMON) as writer:
+        write_attention(writer, calls, as_tensors=False)
+    assert_same_store(tmp_path / "here.zarr", tmp_path / "s0.zarr")
+
+
 def test_a_store_over_slots_through_the_process_is_the_store_written_in_process(tmp_path):
     rng = np.random.default_rng(1)
     slots = 3 * BLOCK * T

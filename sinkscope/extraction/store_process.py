@@ -54,6 +54,7 @@ ALIGN = 64
 CONTROL_BYTES = ALIGN
 RELEASED, FAILED = 0, 1
 MIN_RING_BYTES = 16 << 20
+READY = -1  # the key of `StoreProcess.ready`'s round trip, no writer's
 MAX_RING_BYTES = 1 << 30
 
 
@@ -209,6 +210,12 @@ class StoreProcess:
         self._outbox.put((None, ("close", writer.key)))
         self._closing[writer.key] = writer
 
+    def ready(self) -> None:
+        """Wait until the child has done everything queued so far (started, opened its stores,
+        written what it was sent): the child answers in order."""
+        self._outbox.put((None, ("ready", READY)))
+        self._await(READY)
+
     def abort_writer(self, key: int) -> None:
         """Abort writer `key` in the child (its `.partial` store removed) and wait for it."""
         self._outbox.put((None, ("abort", key)))
@@ -300,9 +307,10 @@ class StoreProcess:
             try:
                 reply = pickle.load(self._child.stdout)
             except (EOFError, OSError, pickle.UnpicklingError) as error:
+                path = self._paths[key] if key != READY else "the stores"
                 raise RuntimeError(
                     f"the store writer process stopped (exit code {self._child.poll()}) while "
-                    f"writing {self._paths[key]}"
+                    f"writing {path}"
                 ) from (self._send_error or error)
             self._replies[reply["key"]] = reply
         reply = self._replies.pop(key)
@@ -524,6 +532,8 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
                 closing.submit(finish, what, key, writers.pop(key, None), failed.pop(key, None))
             elif what == "abort":
                 finish(what, key, writers.pop(key, None), failed.pop(key, None))
+            elif what == "ready":
+                reply(key)
     finally:
         closing.shutdown()
         for writer in writers.values():  # the parent is gone or failed: nothing half-written
