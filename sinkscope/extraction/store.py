@@ -489,7 +489,7 @@ class AttentionStoreWriter(_StoreWriter):
         t = self.frame_seq_length
         heads, frames, _ = key_logit_mean.shape
         pooled = key_logit_mean.reshape(heads, frames, -1, t).mean(axis=-1, dtype=np.float64)
-        versions = key_versions(call, np.asarray(key_frames), anchor).astype(np.int8)
+        versions = key_versions(call, key_frames, anchor).astype(np.int8)
         self.write_pooled(step, first_query_frame, key_frames, pooled, versions)
         self.write_block(step, first_query_frame, key_frames, key_mass, entropy, key_logit_mean)
 

@@ -54,8 +54,8 @@ ALIGN = 64
 CONTROL_BYTES = ALIGN
 RELEASED, FAILED = 0, 1
 MIN_RING_BYTES = 16 << 20
-READY = -1  # the key of `StoreProcess.ready`'s round trip, no writer's
 MAX_RING_BYTES = 1 << 30
+READY = -1  # the key of `StoreProcess.ready`'s round trip, no writer's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,11 +547,11 @@ def serve(fd: int, size: int, dry_run: bool, inbox, outbox) -> None:
 
 
 def yield_to_the_model() -> None:
-    """Leave the parent's threads their cores: the thread that launches the model's kernels is
-    what a survey's time waits on, and 30 stores compressing at once would otherwise take every
-    core of the machine (zarr's codec pool is cores + 4 threads). The child runs at a lower
-    priority and compresses on all but two of the cores it may use; idle cores are still all
-    its own."""
+    """Leave the parent's threads their cores: 30 stores compressing at once would otherwise take
+    every core of the machine (zarr's codec pool is cores + 4 threads), the one whose thread
+    launches the model's kernels too. The child runs at a lower priority and compresses on all
+    but two of the cores it may use; idle cores are still all its own. (On an H200 it ran so in
+    benchmarks/README.md's run 2, with other changes: its own share is not measured apart.)"""
     import zarr
 
     os.nice(10)
