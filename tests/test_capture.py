@@ -120,7 +120,7 @@ def test_stored_logits_equal_q_dot_k_over_sqrt_d(
         tiny_model, tiny_text, store, layer, local_attn_size=local_attn_size, sink_size=sink_size
     )
     seen = visible_frames(TINY_GEOMETRY.block_sizes, local_attn_size, sink_size)
-    stored = xr.open_zarr(store).logits.values.astype(np.float64)
+    stored = xr.open_zarr(store, chunks=None).logits.values.astype(np.float64)
     n = TINY_GEOMETRY.num_frames * T
     expected = np.full((5, TINY.num_heads, n, n), np.nan)
     for start, size, step, q, keys in _calls_with_keys(calls):
@@ -391,7 +391,7 @@ def test_long_rolling_rollout_maps_slots_to_absolute_frames(tmp_path, tiny_text)
             on_pass=capture.begin_pass,
             progress=False,
         )
-    logits = xr.open_zarr(store).logits.values
+    logits = xr.open_zarr(store, chunks=None).logits.values
     tile_nan = np.isnan(logits).reshape(2, TINY.num_heads, 12, T, 12, T).all(axis=(3, 5))
     seen = visible_frames(geometry.block_sizes, 6, 2)
     assert (tile_nan == ~seen[None, None]).all()

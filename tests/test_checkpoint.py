@@ -24,6 +24,9 @@ from sinkscope.workflow.entries import ConfigError, checkpoint_inputs
 from .conftest import TINY, make_tiny_model
 from .test_onboarding import WAN_13B_CONFIG
 
+# The tests that import diffusers (3 s) keep to one xdist worker, which imports it once.
+uses_diffusers = pytest.mark.xdist_group("diffusers")
+
 
 def tiny_diffusers_model(seed: int = 0):
     # Imported here, not at collection: diffusers takes 3 s to import, in every xdist worker.
@@ -61,6 +64,7 @@ def padded(text: torch.Tensor, length: int = 512) -> torch.Tensor:
     return torch.nn.functional.pad(text, (0, 0, 0, length - text.shape[1]))
 
 
+@uses_diffusers
 @pytest.mark.parametrize("layout", ["transformer", "pipeline"])
 def test_diffusers_folder_matches_diffusers_forward(tmp_path, layout):
     reference = tiny_diffusers_model()
@@ -81,6 +85,7 @@ def test_diffusers_folder_matches_diffusers_forward(tmp_path, layout):
         assert want.abs().max() > 0.1  # the comparison is not between two near-zero outputs
 
 
+@uses_diffusers
 def test_resaved_in_original_layout_gives_the_same_numbers(tmp_path):
     tiny_diffusers_model().save_pretrained(tmp_path / "diffusers")
     model = load_wan_model(tmp_path / "diffusers")
@@ -94,6 +99,7 @@ def test_resaved_in_original_layout_gives_the_same_numbers(tmp_path):
     assert set(again.state_dict()) == set(make_tiny_model().state_dict())
 
 
+@uses_diffusers
 def test_every_diffusers_key_maps_to_an_original_key():
     reference = tiny_diffusers_model()
     mapped = {diffusers_to_wan_key(k) for k in reference.state_dict()}

@@ -780,7 +780,8 @@ def test_closed_loop_summary_script(tmp_path):
     summary = str(out / "closed_loop" / "summary.csv")
     blocks = str(out / "closed_loop" / "blocks.csv")
     switches = str(out / "closed_loop" / "switches.csv")
-    figure_files = [f.path for f in figures.closed_loop_figures(str(out / "figures"), "svg")]
+    # One figure stands for the rest (test_render_closed_loop_figures draws them all).
+    figure_files = [f.path for f in figures.closed_loop_figures(str(out / "figures"), "svg")][:1]
     snakemake = SimpleNamespace(
         input=Named(
             frames=[str(p) for p in deviation_paths],

@@ -4,6 +4,8 @@ the stores (float64 numpy softmax, the stored logits, the frame dataset)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -48,6 +50,31 @@ def _run(tmp_path, *, window: int = -1, layers=(0, 1)) -> dict:
     return {"layers": list(layers), "stores": stores, "frames": frames}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`_run` of each (window, layers) once for the module: the exports only read the stores
+    (a test that changes one copies it first, `_copy`), each into its own tmp_path."""
+    made: dict[tuple, dict] = {}
+
+    def run(*, window: int = -1, layers=(0, 1)) -> dict:
+        key = (window, tuple(layers))
+        if key not in made:
+            made[key] = _run(tmp_path_factory.mktemp("run"), window=window, layers=layers)
+        return made[key]
+
+    return run
+
+
+def _copy(run: dict, folder) -> dict:
+    """The run's stores and frame datasets copied into `folder`, for a test that changes them."""
+    copied = {"layers": run["layers"]}
+    for name in ("stores", "frames"):
+        copied[name] = [folder / name / path.name for path in run[name]]
+        for source, target in zip(run[name], copied[name], strict=True):
+            shutil.copytree(source, target)
+    return copied
+
+
 def _export(tmp_path, run, *, step=0, measure="logits", token_layers=None) -> dict:
     out = tmp_path / "export"
     paths = {
@@ -83,8 +110,8 @@ def _reference_softmax(rows: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("window", "step"), [(-1, 0), (4, 4)], ids=["full-cache", "window-cache"])
-def test_token_layouts_equal_the_token_store(tmp_path, window, step):
-    run = _run(tmp_path, window=window)
+def test_token_layouts_equal_the_token_store(tmp_path, runs, window, step):
+    run = runs(window=window)
     paths = _export(tmp_path, run, step=step)
     seen = visible_frames([2, 2, 2], window, 0)[F - 1]  # key frames the last block sees
     if window != -1:
@@ -114,7 +141,9 @@ def test_token_layouts_equal_the_token_store(tmp_path, window, step):
         assert cache["query_frames"] == LAST and cache["key_frames"] == list(range(F))
 
     for index, layer in enumerate(run["layers"]):
-        stored = xr.open_zarr(run["stores"][index]).logits.values[step]  # [H, N, N] float16
+        stored = xr.open_zarr(run["stores"][index], chunks=None).logits.values[
+            step
+        ]  # [H, N, N] float16
         rows = stored[:, LAST[0] * T :, :]  # the last block's queries over every key
         key_seen = np.repeat(seen, T)
         assert not np.isnan(rows[..., key_seen]).any() and np.isnan(rows[..., ~key_seen]).all()
@@ -156,10 +185,10 @@ def test_token_layouts_equal_the_token_store(tmp_path, window, step):
             )
 
 
-def test_fork_entries_hold_probabilities_when_asked(tmp_path):
+def test_fork_entries_hold_probabilities_when_asked(tmp_path, runs):
     """export.measure: probabilities puts the softmax (figure-4's weights) in attention_cache.pt's
     attn_weights, is_logits False, the shapes as with logits."""
-    run = _run(tmp_path, window=4)
+    run = runs(window=4)
     paths = _export(tmp_path, run, step=1, measure="probabilities")
     figure4 = _load(paths["figure4"])["attention_weights"]
     shapes_cache = _load(paths["shapes_cache"])
@@ -175,8 +204,8 @@ def test_fork_entries_hold_probabilities_when_asked(tmp_path):
 
 
 @pytest.mark.parametrize("measure", ["logits", "probabilities"])
-def test_frame_layout_equals_the_frame_dataset(tmp_path, measure):
-    run = _run(tmp_path)
+def test_frame_layout_equals_the_frame_dataset(tmp_path, runs, measure):
+    run = runs()
     step = 1
     _export(tmp_path, run, step=step, measure=measure)
     variable = {"logits": "logit_mean", "probabilities": "prob_mass"}[measure]
@@ -196,7 +225,7 @@ def test_frame_layout_equals_the_frame_dataset(tmp_path, measure):
             "orig_num_frames",
             "vae_stride_t",
         }
-        frames = xr.open_zarr(frames_path)[variable].values[step]  # [H, F, F]
+        frames = xr.open_zarr(frames_path, chunks=None)[variable].values[step]  # [H, F, F]
         assert np.isnan(frames).any()  # the causal mask: the NaN -> 0 below is exercised
         full = exported["full_frame_attention"]
         assert full.dtype == torch.float32 and tuple(full.shape) == (H, F, F)
@@ -217,14 +246,14 @@ def test_frame_layout_equals_the_frame_dataset(tmp_path, measure):
             np.testing.assert_allclose(last.numpy().sum(axis=1), 1.0, atol=1e-5)
 
 
-def test_figure4_weights_agree_with_the_reducer(tmp_path):
+def test_figure4_weights_agree_with_the_reducer(tmp_path, runs):
     """Independent paths to one number: the export's token softmax summed per key frame and
     averaged over a query frame's tokens is the frame dataset's prob_mass."""
-    run = _run(tmp_path, layers=(1,))
+    run = runs()
     paths = _export(tmp_path, run, step=2)
     weights = _load(paths["figure4"])["attention_weights"][0]["attn_weights"].numpy()[0]
     per_frame = weights.reshape(H, 2, T, F, T).sum(axis=4).mean(axis=2)  # [H, query frame, key]
-    prob_mass = xr.open_zarr(run["frames"][0]).prob_mass.values[2][:, LAST]
+    prob_mass = xr.open_zarr(run["frames"][0], chunks=None).prob_mass.values[2][:, LAST]
     np.testing.assert_allclose(per_frame, np.nan_to_num(prob_mass, nan=0.0), atol=2e-6)
 
 
@@ -241,8 +270,8 @@ def test_softmax_in_chunks_and_rows_that_see_nothing(monkeypatch):
     assert (out[1, :2] == 0).all() and (out[3] == 0).all()
 
 
-def test_bad_inputs_are_named_and_leave_nothing(tmp_path, monkeypatch):
-    run = _run(tmp_path)
+def test_bad_inputs_are_named_and_leave_nothing(tmp_path, runs, monkeypatch):
+    run = _copy(runs(), tmp_path)  # its last check writes a NaN into a store
     out = tmp_path / "export"
     # The store of layer 1 given as layer 0.
     with pytest.raises(ValueError, match=r"layer1\.zarr: holds layer 1, not layer 0 of export"):
@@ -274,7 +303,7 @@ def test_bad_inputs_are_named_and_leave_nothing(tmp_path, monkeypatch):
     assert not (out / FILES[0]).exists() and not list(out.glob("*.scratch"))
 
 
-def test_export_bytes_at_real_geometry_and_on_disk(tmp_path):
+def test_export_bytes_at_real_geometry_and_on_disk(tmp_path, runs):
     real = export_bytes(num_heads=12, frame_seq_length=1560, num_frames=21, last_block_frames=3)
     assert real["figure4"] == 12 * 4680 * 32760 * 4 == 7_359_206_400  # 7.4 GB per layer
     assert real["logit_cache"] == real["shapes_cache"] == 12 * 4680 * 32760 * 2
@@ -288,7 +317,7 @@ def test_export_bytes_at_real_geometry_and_on_disk(tmp_path):
     assert probabilities["shapes_cache"] == real["figure4"]  # float32 like figure-4's
     assert real["frames"] == 12 * 21 * 21 * 4 + 12 * 21 * 4
     # The files hold these bytes and a few kB of pickle and zip headers.
-    run = _run(tmp_path)
+    run = runs()
     paths = _export(tmp_path, run)
     tiny = export_bytes(num_heads=H, frame_seq_length=T, num_frames=F, last_block_frames=2)
     for name, path in paths.items():

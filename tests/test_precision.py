@@ -66,7 +66,7 @@ def _runs(tmp_path: Path) -> dict:
                 store=store,
                 progress=False,
             )
-            run[store] = [xr.open_zarr(path) for path in paths]
+            run[store] = [xr.open_zarr(path, chunks=None) for path in paths]
         run["frames"] = []
         for layer in LAYERS:
             source = root / "attention" / f"layer{layer}.zarr"
@@ -87,7 +87,7 @@ def _runs(tmp_path: Path) -> dict:
                 progress=False,
             )
             run[name] = load_latents(root / f"{name}.safetensors")[0]
-            run[f"{name}_store"] = xr.open_zarr(root / "loop" / f"{name}.zarr")
+            run[f"{name}_store"] = xr.open_zarr(root / "loop" / f"{name}.zarr", chunks=None)
         out[dtype] = run
     return out
 

@@ -21,6 +21,9 @@ from sinkscope.wan.text import (
     wan_umt5_key_map,
 )
 
+# Most of these import transformers (2-3 s): one xdist worker imports it once.
+pytestmark = pytest.mark.xdist_group("transformers")
+
 # transformers UMT5EncoderModel key -> Wan key, written from the table in the reference (section 6)
 # independently of the loader's own map. `encoder.embed_tokens.weight` is tied to `shared.weight`.
 HF_TO_WAN = [

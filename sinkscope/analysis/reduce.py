@@ -877,7 +877,8 @@ def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
         raise FileNotFoundError(f"frame dataset not found: {path}")
     _check_metadata_copies("frame dataset", path)
     try:
-        opened = xr.open_zarr(path)  # reads the dimension coordinates already
+        # No dask: it is read whole at once (and reads the dimension coordinates already).
+        opened = xr.open_zarr(path, chunks=None)
     except Exception as err:
         raise _unreadable_frames(path, err) from err
     with opened as ds:
