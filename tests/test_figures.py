@@ -13,14 +13,17 @@ from types import SimpleNamespace
 import matplotlib.colors as mcolors
 import numpy as np
 import pytest
+from matplotlib.figure import Figure
 from matplotlib.text import Text
 
 from sinkscope.analysis import figures
 from sinkscope.analysis.plots import render, render_figures
 from sinkscope.analysis.plots.common import (
+    add_colorbar,
     color_scale,
     head_label,
     last_block_profile,
+    save_figure,
     step_title,
     timestep_label,
 )
@@ -131,6 +134,19 @@ def test_probabilities_are_linear_unless_they_span_a_decade():
 
     _, norm, _ = color_scale(np.array([-0.5, 2.0]), "logits")
     assert (norm.vmin, norm.vmax) == (-2.0, 2.0)
+
+
+def test_log_colour_bars_label_decimals_in_the_figure_font(tmp_path):
+    """A log-scaled map's colour bar labels the ticks matplotlib would, as decimals in the
+    figure's own font: no mathtext 10^-2 (another font, its pieces as SVG tspans)."""
+    fig = Figure()
+    ax = fig.add_subplot()
+    cmap, norm, shown = color_scale(np.array([[0.002, 0.03], [0.3, 0.004]]), "probabilities")
+    assert isinstance(norm, mcolors.LogNorm)
+    add_colorbar(fig, ax.pcolormesh(shown, cmap=cmap, norm=norm), ax, "mass")
+    path = save_figure(fig, tmp_path / "log.svg")
+    assert {"0.01", "0.1"} <= set(svg_texts(path))
+    assert "<tspan" not in path.read_text()
 
 
 @pytest.mark.parametrize(("fmt", "magic"), [("png", b"\x89PNG"), ("pdf", b"%PDF")])
