@@ -26,6 +26,10 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
 
 
 def test_gpu_benchmark_smoke_prints_its_table(capsys):
+    """The whole measurement at toy size. The surveys through the store process (as a job runs
+    it, with the child started and its stores opened before the timer, and with the reductions
+    dropped) name the model thread's seconds in its calls, its waits for ring room and the close
+    after the rollout."""
     assert _gpu_benchmark().main(["--cpu-smoke", "--compare-layers", "2"]) == 0
     table = capsys.readouterr().out
     assert "### `benchmarks/gpu.py` on CPU (smoke, toy size)" in table
@@ -35,20 +39,32 @@ def test_gpu_benchmark_smoke_prints_its_table(capsys):
     assert "| token capture, layers [0], pass 0 |" in table
     assert "| bf16 vs fp32, 2 layers | latents " in table
     assert "FAILED" not in table  # a stage that fails becomes its row's error
-
-
-def test_the_surveys_through_the_store_process_say_where_their_time_went(capsys):
-    """The surveys through the store process (as a job runs it, with the child started and its
-    stores opened before the timer, and with the reductions dropped) name the model thread's
-    seconds in its calls, its waits for ring room and the close after the rollout;
-    `--survey-only` leaves the token capture and the dtype comparison out."""
-    assert _gpu_benchmark().main(["--cpu-smoke", "--survey-only"]) == 0
-    table = capsys.readouterr().out.split("### `benchmarks/gpu.py`")[-1]
+    printed = table.split("### `benchmarks/gpu.py`")[-1]  # the table, not the progress lines
     through = [
-        line for line in table.splitlines() if "store process" in line or "x 5 passes" in line
+        line for line in printed.splitlines() if "store process" in line or "x 5 passes" in line
     ]
     assert len(through) == 3, table  # as a job runs it, with the child ready first, dropped
     for line in through:
         assert "waiting for ring room" in line and "closing after the rollout" in line, line
+
+
+def test_survey_only_leaves_the_token_capture_and_the_dtype_comparison_out(capsys, monkeypatch):
+    """`--survey-only`, its rollouts faked (the smoke test above runs them): no token capture,
+    no dtype comparison, every survey row."""
+    benchmark = _gpu_benchmark()
+    stores = []
+
+    def fake_rollout(*args, store="attention", **options):
+        stores.append(store if options.get("stores") is not None else "plain")
+        return benchmark.Timed(1.0, 0, torch.zeros(1), 0.0)
+
+    def no_comparison(*args):
+        raise AssertionError("--survey-only compared the dtypes")
+
+    monkeypatch.setattr(benchmark, "timed_rollout", fake_rollout)
+    monkeypatch.setattr(benchmark, "compare_dtypes", no_comparison)
+    assert benchmark.main(["--cpu-smoke", "--survey-only"]) == 0
+    table = capsys.readouterr().out.split("### `benchmarks/gpu.py`")[-1]
+    assert "tokens" not in stores and stores.count("attention") == 2, stores
     assert "token capture" not in table and "bf16 vs fp32" not in table
-    assert "FAILED" not in table
+    assert "| survey, 5 layers x 5 passes |" in table and "FAILED" not in table
