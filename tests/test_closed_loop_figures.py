@@ -709,9 +709,10 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     switches = tmp_path / "switches.csv"
     write_switch_table(write_block_positions(deviation_paths), [], switches)
     written = {}
-    for run in ("a", "b"):
+    # The SVG case draws them all twice (same data, same bytes); one says PNG works.
+    for run in ("a", "b") if fmt == "svg" else ("a",):
         outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
-        if fmt == "png":  # the SVG case draws them all; one says PNG works (5 s less)
+        if fmt == "png":
             outputs = outputs[:1]
         paths = render_figures(
             [],
@@ -726,8 +727,8 @@ def test_render_closed_loop_figures(tmp_path, fmt):
         assert [str(p) for p in paths] == outputs
         written[run] = [Path(p).read_bytes() for p in outputs]
         assert all(len(data) > 1000 for data in written[run])
-    assert written["a"] == written["b"]
     if fmt == "svg":
+        assert written["a"] == written["b"]
         texts = svg_texts(tmp_path / "a" / "closed_loop_deviation.svg")
         assert any("latent deviation from the full-cache rollout" in t for t in texts)
         assert "deep_sink B=4 S=1" in texts
