@@ -247,12 +247,11 @@ class StoreProcess:
         if offset + size > self.ring_size:  # never across the end: skip to the start
             self._handed_out += self.ring_size - offset
             offset = 0
-        if self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
-            waiting = time.perf_counter()
-            while self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
-                self._check(None)
-                time.sleep(0.0005)
-            self.ring_wait_seconds += time.perf_counter() - waiting
+        waiting = time.perf_counter()
+        while self._handed_out + size - int(self._control[RELEASED]) > self.ring_size:
+            self._check(None)
+            time.sleep(0.0005)
+        self.ring_wait_seconds += time.perf_counter() - waiting
         self._handed_out += size
         return offset
 
