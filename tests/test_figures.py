@@ -19,9 +19,11 @@ from matplotlib.text import Text
 from sinkscope.analysis import figures
 from sinkscope.analysis.plots import render, render_figures
 from sinkscope.analysis.plots.common import (
+    _SAVE_METADATA,
     add_colorbar,
     color_scale,
     head_label,
+    in_style,
     last_block_profile,
     save_figure,
     step_title,
@@ -147,6 +149,39 @@ def test_log_colour_bars_label_decimals_in_the_figure_font(tmp_path):
     path = save_figure(fig, tmp_path / "log.svg")
     assert {"0.01", "0.1"} <= set(svg_texts(path))
     assert "<tspan" not in path.read_text()
+
+
+def _laid_out_figure() -> Figure:
+    """Constrained layout around what it measures: tick labels, axis labels, a colour bar, a
+    figure legend and a title."""
+    with in_style():
+        fig = Figure(figsize=(3.4, 2.4), layout="constrained")
+        left, right = fig.subplots(1, 2, sharey=True)
+        cmap, norm, shown = color_scale(np.array([[0.002, 0.03], [0.3, 0.004]]), "probabilities")
+        add_colorbar(fig, left.pcolormesh(shown, cmap=cmap, norm=norm), left, "mass")
+        right.plot([0, 1000, 2000], [0.1, 0.5, 0.25], label="a long legend entry")
+        right.set_xlabel("Query frame (latent)")
+        left.set_ylabel("Key frame (latent)")
+        fig.legend(loc="outside lower center")
+        fig.suptitle("A title as long as a paper's")
+    return fig
+
+
+@pytest.mark.parametrize("fmt", figures.FORMATS)
+def test_one_layout_pass_gives_the_bytes_of_savefigs_two(tmp_path, monkeypatch, fmt):
+    """`save_figure` lays a figure out once, measured as the file's renderer measures, and draws
+    it once; matplotlib's `savefig` draws it twice (once only to lay it out). Same bytes: laid
+    out at another dpi or with another renderer, the texts measure differently."""
+    theirs = tmp_path / f"theirs.{fmt}"
+    with in_style():
+        _laid_out_figure().savefig(theirs, format=fmt, metadata=_SAVE_METADATA[fmt])
+    draws = []
+    monkeypatch.setattr(
+        Figure, "draw", lambda fig, renderer, draw=Figure.draw: draws.append(draw(fig, renderer))
+    )
+    ours = save_figure(_laid_out_figure(), tmp_path / f"ours.{fmt}", fmt)
+    assert len(draws) == 1
+    assert ours.read_bytes() == theirs.read_bytes()
 
 
 @pytest.mark.parametrize(("fmt", "magic"), [("png", b"\x89PNG"), ("pdf", b"%PDF")])

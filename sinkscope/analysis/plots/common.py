@@ -563,12 +563,34 @@ def layer_head_panels(
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, fmt: str = "svg") -> Path:
-    """Write atomically (temporary file, then rename): a failed run leaves no partial figure."""
+    """Write atomically (temporary file, then rename): a failed run leaves no partial figure.
+    The figure is laid out for `fmt` and its layout fixed: callers do not reuse a saved figure."""
     check_choice("fmt", fmt, figures.FORMATS)
     path = Path(path)
-    try:
-        with in_style(), atomic_path(path) as temporary:
-            fig.savefig(temporary, format=fmt, metadata=_SAVE_METADATA[fmt])
-    finally:
-        fig.clear()  # release the artists now; callers do not reuse a saved figure
+    with in_style(), atomic_path(path) as temporary:
+        lay_out_once(fig, fmt)
+        fig.savefig(temporary, format=fmt, metadata=_SAVE_METADATA[fmt])
     return path
+
+
+def lay_out_once(fig: Figure, fmt: str) -> None:
+    """Run `fig`'s layout engine as `savefig(format=fmt)` would, then remove the engine.
+
+    With an engine, `savefig` draws the whole figure twice: once with drawing switched off, only
+    for the engine to measure the texts with the file's renderer, then for real. Measured here
+    with the same renderer (the canvas's default format is `fmt`, at the dpi `savefig` sets), the
+    layout is the same and the file the same bytes, for one draw less (a tenth to a sixth of a
+    figure's time)."""
+    engine = fig.get_layout_engine()
+    if engine is None:
+        return
+    dpi = matplotlib.rcParams["savefig.dpi"]
+    saved_dpi = fig.dpi
+    try:
+        with matplotlib.rc_context({"savefig.format": fmt}):
+            if dpi != "figure":
+                fig.dpi = dpi
+            engine.execute(fig)
+    finally:
+        fig.dpi = saved_dpi  # the vector backends set 72 while they measure
+    fig.set_layout_engine(None)
