@@ -27,9 +27,9 @@ def test_gpu_benchmark_without_cuda_says_so_and_exits_0(capsys):
 
 def test_gpu_benchmark_smoke_prints_its_table(capsys):
     """The whole measurement at toy size. The surveys through the store process (as a job runs
-    it, with the child started and its stores opened before the timer, and with the reductions
-    dropped) name the model thread's seconds in its calls, its waits for ring room and the close
-    after the rollout."""
+    it, its child started and its stores opened before the timer; with the child started inside
+    the timer; with the reductions dropped) name the model thread's seconds in its calls, its
+    waits for ring room and the close after the rollout."""
     assert _gpu_benchmark().main(["--cpu-smoke", "--compare-layers", "2"]) == 0
     table = capsys.readouterr().out
     assert "### `benchmarks/gpu.py` on CPU (smoke, toy size)" in table
@@ -43,7 +43,8 @@ def test_gpu_benchmark_smoke_prints_its_table(capsys):
     through = [
         line for line in printed.splitlines() if "store process" in line or "x 5 passes" in line
     ]
-    assert len(through) == 3, table  # as a job runs it, with the child ready first, dropped
+    assert len(through) == 3, table  # as a job runs it, the child started in the timer, dropped
+    assert "| survey, the store process started inside the timer |" in table
     for line in through:
         assert "waiting for ring room" in line and "closing after the rollout" in line, line
 

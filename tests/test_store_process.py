@@ -350,14 +350,28 @@ def assert_a_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatc
 
 
 def test_a_survey_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch):
-    from sinkscope.extraction.job import extract
+    """... and starts the process before its weights load, so that the child starts and opens
+    its stores meanwhile."""
+    from sinkscope.extraction import job
 
     from .test_capture import _write_inputs
 
     prompt, settings = _write_inputs(tmp_path)
+    started, started_at_load = [], []
+
+    def start(*args, start=job.attention_store_process, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    def load_model(claimed, load=job.ClaimedJob.load_model):
+        started_at_load.append(len(started))
+        return load(claimed)
+
+    monkeypatch.setattr(job, "attention_store_process", start)
+    monkeypatch.setattr(job.ClaimedJob, "load_model", load_model)
 
     def survey(name, stores):
-        extract(
+        job.extract(
             checkpoint_name="tiny",
             prompt_name="p",
             prompt_embeddings=prompt,
@@ -369,6 +383,7 @@ def test_a_survey_job_writes_the_same_stores_through_the_process(tmp_path, monke
         )
 
     assert_a_job_writes_the_same_stores_through_the_process(tmp_path, monkeypatch, survey)
+    assert started_at_load == [0, 1]  # in process: none; through the process: already started
 
 
 def test_a_closed_loop_writes_the_same_stores_over_slots_through_the_process(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""One extraction job: load a checkpoint, plan its stores, roll out a prompt and capture the
+"""One extraction job: plan its stores, load a checkpoint, roll out a prompt and capture the
 attention of some layers into them (`extract`, in those three steps).
 
 A job writes one kind of store for a group of layers, all from one rollout: token stores
@@ -30,6 +30,7 @@ from sinkscope.segments import Segment, switch_frames
 from sinkscope.storage import reserved_space
 from sinkscope.wan.checkpoint import load_wan_model
 from sinkscope.wan.config import WanConfig
+from sinkscope.wan.layout import read_model_config
 from sinkscope.wan.precision import model_dtype
 from sinkscope.wan.spec import CheckpointSpec
 from sinkscope.wan.text import load_prompt_segments
@@ -176,9 +177,28 @@ def prompt_token_attrs(text_meta: dict[str, str]) -> dict:
 
 
 @dataclass
+class ClaimedJob:
+    """What every GPU job starts from, all but the weights: its device, the checkpoint's config,
+    the prompt and the provenance its outputs record (checkpoint, prompt, seed, version, the
+    claimed device, start time). `load_model` loads the weights."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: WanConfig
+    text: torch.Tensor  # [segments, L, d]: one row per segment of the prompt
+    segments: list[Segment]
+    provenance: dict
+    spec: CheckpointSpec
+
+    def load_model(self) -> torch.nn.Module:
+        """The checkpoint's model on the job's device, in its dtype."""
+        log.info("loading %s onto %s (%s)", self.provenance["checkpoint"], self.device, self.dtype)
+        return load_wan_model(self.spec, device=self.device, dtype=self.dtype)
+
+
+@dataclass
 class LoadedJob:
-    """What every GPU job starts from: its device, the model, the prompt and the provenance its
-    outputs record (checkpoint, prompt, seed, version, the claimed device, start time)."""
+    """A `ClaimedJob` with its model loaded."""
 
     device: torch.device
     dtype: torch.dtype
@@ -189,22 +209,30 @@ class LoadedJob:
 
 
 @contextlib.contextmanager
-def loaded_job(
+def claimed_job(
     checkpoint_name: str, prompt_name: str, prompt_embeddings: str | Path, settings: dict
-) -> Iterator[LoadedJob]:
+) -> Iterator[ClaimedJob]:
     """Claim the job's device (`workflow.gpus.job_device`, held until the block ends: until the
-    outputs are complete), load the checkpoint onto it and the prompt's embeddings."""
+    outputs are complete), read the checkpoint's config and load the prompt's embeddings. The
+    weights wait for `ClaimedJob.load_model`: a job can start what does not need them first (the
+    survey's store process, `extract`)."""
     with job_device(settings["device"]) as claim:
         started_at = datetime.now(UTC).isoformat(timespec="milliseconds")
         device = torch.device(claim.device)
         # Absent where settings skip the schema defaults: bf16 on CUDA, fp32 on the CPU.
         dtype = model_dtype(device, settings.get("dtype", "auto"))
-        model, checkpoint_sha256 = load_checkpoint(checkpoint_name, settings, device, dtype)
+        entry = settings["checkpoint"]
+        spec = CheckpointSpec.from_entry(entry)
+        config = read_model_config(spec.base)
+        # The workflow hashed real checkpoints when it was parsed (cached); demo ones are tiny.
+        checkpoint_sha256 = entry.get("sha256") or combine(
+            sha256_file(path) for path in spec.files()
+        )
         text, text_meta, segments = load_prompt_segments(prompt_embeddings)
-        if text.shape[2] != model.config.text_dim:
+        if text.shape[2] != config.text_dim:
             raise ValueError(
                 f"{prompt_embeddings}: embeddings have width {text.shape[2]}, "
-                f"but {checkpoint_name} expects text_dim={model.config.text_dim}"
+                f"but {checkpoint_name} expects text_dim={config.text_dim}"
             )
         provenance = {
             "checkpoint": checkpoint_name,
@@ -221,19 +249,17 @@ def loaded_job(
             # A prompt of segments: each one's text, start, flush and cut.
             **({"segments": [asdict(s) for s in segments]} if len(segments) > 1 else {}),
         }
-        yield LoadedJob(device, dtype, model, text, segments, provenance)
+        yield ClaimedJob(device, dtype, config, text, segments, provenance, spec)
 
 
-def load_checkpoint(
-    name: str, settings: dict, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.nn.Module, str]:
-    """The model of checkpoint `name` on `device`, and the sha256 of its files."""
-    entry = settings["checkpoint"]
-    spec = CheckpointSpec.from_entry(entry)
-    # The workflow hashed real checkpoints when it was parsed (cached); demo ones are tiny.
-    checkpoint_sha256 = entry.get("sha256") or combine(sha256_file(path) for path in spec.files())
-    log.info("loading %s onto %s (%s)", name, device, dtype)
-    return load_wan_model(spec, device=device, dtype=dtype), checkpoint_sha256
+@contextlib.contextmanager
+def loaded_job(
+    checkpoint_name: str, prompt_name: str, prompt_embeddings: str | Path, settings: dict
+) -> Iterator[LoadedJob]:
+    """`claimed_job` with its model loaded."""
+    with claimed_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+        model = job.load_model()
+        yield LoadedJob(job.device, job.dtype, model, job.text, job.segments, job.provenance)
 
 
 def stores_in_a_process(device: torch.device) -> bool:
@@ -445,12 +471,14 @@ def extract(
     if len(layers) != len(outputs):
         raise ValueError(f"{len(layers)} layers but {len(outputs)} outputs")
     # The GPU is held from before the model loads until the stores are complete.
-    with loaded_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
+    with claimed_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
         plan = RolloutPlan.from_settings(settings).with_segments(job.segments)
-        model, text, device, dtype = job.model, job.text, job.device, job.dtype
-        cfg = model.config
+        text, device, dtype, cfg = job.text, job.device, job.dtype, job.config
         provenance = {**job.provenance, "config": settings}
         with contextlib.ExitStack() as stores:
+            # The stores before the weights: a store process's child starts and opens its
+            # stores while they load. Its ring holds fewer calls than one model call makes, so
+            # otherwise the rollout's first calls wait for it (benchmarks/gpu.py times both).
             writers = plan_stores(
                 cfg,
                 plan,
@@ -461,6 +489,7 @@ def extract(
                 store,
                 store_process=stores_in_a_process(device),
             )
+            model = job.load_model()
             capture = LogitCapture(
                 dict(zip(layers, writers, strict=True)),
                 plan.passes,
