@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -29,6 +30,31 @@ sys.dont_write_bytecode = False
 TINY = WanConfig(dim=32, ffn_dim=48, num_heads=2, num_layers=2, freq_dim=16, text_dim=8, text_len=8)
 # 6 latent frames in 3 blocks of 2; a 4 x 6 latent gives 2 x 3 = 6 tokens per frame.
 TINY_GEOMETRY = Geometry(num_frames=6, frames_per_block=2, latent_height=4, latent_width=6)
+
+
+def _schema_loaded_once() -> None:
+    """`snakemake.utils.validate` parses its schema file on every call, with yte's pure-Python
+    YAML (50 ms of its 77 for ours); the tests validate some 200 configs against one schema.
+    Each call still gets its own copy of the parsed schema (validate adds its `$id`), so the
+    validation is snakemake's own."""
+    import snakemake.utils
+
+    load = snakemake.utils._load_configfile
+    parsed: dict[tuple, object] = {}
+
+    def load_once(source, filetype="Config"):
+        if filetype != "Schema" or not isinstance(source, str | os.PathLike):
+            return load(source, filetype)
+        stat = os.stat(source)
+        key = (os.path.realpath(source), stat.st_mtime_ns, stat.st_size)
+        if key not in parsed:
+            parsed[key] = load(source, filetype)
+        return copy.deepcopy(parsed[key])
+
+    snakemake.utils._load_configfile = load_once
+
+
+_schema_loaded_once()
 
 
 # First among the plugins: pytest-xdist's worker reads the xdist_group marks in its own
