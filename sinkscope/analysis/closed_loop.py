@@ -173,17 +173,25 @@ def read_run_table(
         raise ValueError(f"{path}: not a {what}, it lacks the columns {missing}")
     if table.empty:
         raise ValueError(f"{path}: the {what} has no rows")
+    # read_csv gives a column of whole numbers int64 and one of numbers (or empty) float64: those
+    # need no checks, only the others (a table's columns are mostly the former).
     for column in integers:
+        if table[column].dtype == np.int64:
+            continue
         values = pd.to_numeric(table[column], errors="coerce")
         if values.isna().any() or (values != np.round(values)).any():
             raise ValueError(f"{path}: column {column} must hold whole numbers")
         table[column] = values.astype(np.int64)
     for column in RUN_FLOATS:
+        if table[column].dtype == np.float64 and not table[column].isna().any():
+            continue
         values = pd.to_numeric(table[column], errors="coerce")
         if values.isna().any():
             raise ValueError(f"{path}: column {column} must hold numbers")
         table[column] = values.astype(np.float64)
     for column in floats:
+        if table[column].dtype == np.float64:
+            continue
         values = pd.to_numeric(table[column], errors="coerce")
         if (values.isna() & table[column].notna()).any():
             raise ValueError(f"{path}: column {column} must hold numbers")
