@@ -204,14 +204,14 @@ def timed_rollout(
     stores=None,
     store="attention",
     layers=(),
-    ready_first=False,
+    ready_first=True,
 ):
     """One rollout, capturing `layers` into stores of kind `store` (`attention`, `tokens`,
     `discarded`: attention reductions copied to the store process, which drops them, or `device`:
     the reductions computed and dropped on the device) under the folder `stores` when given.
     Attention stores are written as `extraction.job.plan_stores` writes them: in a
-    `StoreProcess`; `ready_first`: the timer starts once its child has started and opened them
-    (as for a job that started it before its weights load), not before it starts."""
+    `StoreProcess`; `ready_first`: the timer starts once its child has started and opened them,
+    as in the survey job, which starts it before its weights load (False: before it starts)."""
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
     from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
@@ -443,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
                 dtype,
                 stores=survey_dir,
                 layers=layers,
-                ready_first=True,
             )
             survey, survey_peak = surveyed.seconds, surveyed.peak
             ratio = survey / plain
@@ -459,7 +458,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             (survey_dir / "cold").mkdir()
             cold = timed_rollout(
-                model, text, geometry, device, dtype, stores=survey_dir / "cold", layers=layers
+                model,
+                text,
+                geometry,
+                device,
+                dtype,
+                stores=survey_dir / "cold",
+                layers=layers,
+                ready_first=False,
             )
             rows.add(
                 (
@@ -478,7 +484,6 @@ def main(argv: list[str] | None = None) -> int:
                 stores=folder,
                 store="discarded",
                 layers=layers,
-                ready_first=True,
             )
             discarded = dropped.seconds
             rows.add(

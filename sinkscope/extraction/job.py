@@ -197,15 +197,10 @@ class ClaimedJob:
 
 
 @dataclass
-class LoadedJob:
+class LoadedJob(ClaimedJob):
     """A `ClaimedJob` with its model loaded."""
 
-    device: torch.device
-    dtype: torch.dtype
     model: torch.nn.Module
-    text: torch.Tensor  # [segments, L, d]: one row per segment of the prompt
-    segments: list[Segment]
-    provenance: dict
 
 
 @contextlib.contextmanager
@@ -259,7 +254,7 @@ def loaded_job(
     """`claimed_job` with its model loaded."""
     with claimed_job(checkpoint_name, prompt_name, prompt_embeddings, settings) as job:
         model = job.load_model()
-        yield LoadedJob(job.device, job.dtype, model, job.text, job.segments, job.provenance)
+        yield LoadedJob(**vars(job), model=model)
 
 
 def stores_in_a_process(device: torch.device) -> bool:
