@@ -16,7 +16,7 @@ from matplotlib.collections import PathCollection, QuadMesh
 from sinkscope import frames
 from sinkscope.analysis import figures, reduce, stats
 from sinkscope.analysis.plots import render_figures
-from sinkscope.analysis.plots.common import head_label
+from sinkscope.analysis.plots.common import head_label, save_figure
 from sinkscope.analysis.plots.survey import (
     FIRST_FRAME_LABEL,
     TOKEN_MASS_LABEL,
@@ -453,6 +453,19 @@ def test_render_survey_figures(tmp_path):
         assert not svg_has_raster(path), f"{path.name} embeds a raster image"
         for text in texts:
             assert any(text in t for t in found), f"{text!r} missing from {path.name}"
+    # The statistics render computes once for the four are each figure's own: each builder,
+    # computing them itself, draws the same bytes.
+    opened = [reduce.open_frame_dataset(path) for path in frame_paths]
+    stores = [reduce.open_attention_store(path, key_tokens=True) for path in attention]
+    alone = {
+        "first_frame": plot_survey_first_frame(opened),
+        "head_class": plot_survey_head_class(opened, sink_threshold=0.2, recent_threshold=0.6),
+        "sink_rate": plot_survey_sink_rate(opened, sink_threshold=0.2),
+        "spatial": plot_survey_spatial(opened, attention=stores, step=2),
+    }
+    for name, fig in alone.items():
+        save_figure(fig, tmp_path / f"{name}.svg")
+        assert (tmp_path / f"{name}.svg").read_bytes() == (out / f"survey_{name}.svg").read_bytes()
 
 
 def test_survey_shows_the_surveyed_layers(tmp_path):

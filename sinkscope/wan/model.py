@@ -316,6 +316,16 @@ class CrossAttention(_Attention):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
+def modulation(rows: int, dim: int) -> nn.Parameter:
+    """[1, rows, dim] random parameters (randn / sqrt(dim)). Left empty on the loader's meta
+    device, where the checkpoint supplies them: a random op there imports sympy through torch's
+    reference implementations (about 0.5 s of every model-loading job)."""
+    values = torch.empty(1, rows, dim)
+    if values.device.type != "meta":
+        values.normal_().mul_(dim**-0.5)  # the same draws as torch.randn
+    return nn.Parameter(values)
+
+
 class AttentionBlock(nn.Module):
     def __init__(self, cfg: WanConfig):
         super().__init__()
@@ -329,8 +339,7 @@ class AttentionBlock(nn.Module):
             nn.GELU(approximate="tanh"),
             nn.Linear(cfg.ffn_dim, cfg.dim),
         )
-        # In place: out of place, the op on the loader's meta device imports torch._dynamo (0.7 s).
-        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim).mul_(cfg.dim**-0.5))
+        self.modulation = modulation(6, cfg.dim)
 
     def forward(
         self, x: torch.Tensor, e0: torch.Tensor, context: torch.Tensor, ctx: AttentionContext
@@ -358,7 +367,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.head = nn.Linear(cfg.dim, math.prod(cfg.patch_size) * cfg.out_dim)
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).mul_(cfg.dim**-0.5))
+        self.modulation = modulation(2, cfg.dim)
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         frames = e.shape[1]

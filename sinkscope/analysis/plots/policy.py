@@ -36,9 +36,8 @@ def _policy_run(table: pd.DataFrame) -> tuple[str, str]:
     """(checkpoint, prompt) of a recall table, which must hold rows of exactly one run."""
     if table.empty:
         raise ValueError("the recall table has no rows")
-    runs = sorted(
-        {(str(c), str(p)) for c, p in zip(table["checkpoint"], table["prompt"], strict=True)}
-    )
+    pairs = table[["checkpoint", "prompt"]].drop_duplicates()  # not a loop over 60k rows
+    runs = sorted({(str(c), str(p)) for c, p in pairs.itertuples(index=False)})
     if len(runs) > 1:
         raise ValueError(f"policy figures show one run (checkpoint, prompt), got {runs}")
     return runs[0]

@@ -170,6 +170,12 @@ def render_figures(
         surveyed = next(iter(runs.values()))
         if attention or any("attention" in _accepted(kind) for kind in kinds):
             survey.attention_by_layer(attention, surveyed)
+        # Once for all of the run's survey figures (each would compute it again).
+        statistics = survey.survey_statistics(
+            list(surveyed.values()),
+            sink_threshold=sink_threshold,
+            recent_threshold=recent_threshold,
+        )
     options = {
         "heads": heads,
         "measure": measure,
@@ -185,6 +191,8 @@ def render_figures(
         "annotate": tuple(annotate),
         "titles": bool(titles),
     }
+    if any(kind.scope == "survey" for kind in kinds):
+        options["statistics"] = statistics
     scales: dict[str, tuple[float, float]] = {}
     written = []
     for path, kind, layer, fmt in plan:

@@ -72,6 +72,22 @@ def survey_statistics(
     return table[table["measure"] == SURVEY_MEASURE].reset_index(drop=True)
 
 
+def statistics_of(
+    layers: dict[int, xr.Dataset],
+    statistics: pd.DataFrame | None,
+    sink_threshold: float = 0.3,
+    recent_threshold: float = 0.5,
+) -> pd.DataFrame:
+    """`statistics` when the caller has it (`render_figures` computes the `survey_statistics` of
+    a run once, at its thresholds, for all of the run's survey figures), else computed here. The
+    columns a figure reads of it do not depend on thresholds that figure does not take."""
+    if statistics is not None:
+        return statistics
+    return survey_statistics(
+        list(layers.values()), sink_threshold=sink_threshold, recent_threshold=recent_threshold
+    )
+
+
 def _survey_layers(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
     """The layers of one run, which must share their captured steps (and their timesteps)."""
     layers = by_layer(datasets)
@@ -131,11 +147,17 @@ def _layer_head_maps(
 
 
 @styled
-def plot_survey_first_frame(datasets: Sequence[xr.Dataset], *, titles: bool = True) -> Figure:
+def plot_survey_first_frame(
+    datasets: Sequence[xr.Dataset],
+    *,
+    titles: bool = True,
+    statistics: pd.DataFrame | None = None,
+) -> Figure:
     """Layer x head map of the last block's mass on its first key frame (the `first` statistic of
-    the `last_block` prob_mass profile), one panel per captured step."""
+    the `last_block` prob_mass profile), one panel per captured step. `statistics`: see
+    `statistics_of`."""
     layers = _survey_layers(datasets)
-    table = survey_statistics(list(layers.values()))
+    table = statistics_of(layers, statistics)
     fig, axes, _, _, mesh = _layer_head_maps(layers, table, "first")
     what = "last block's mass on the first key frame, every layer"
     fig.suptitle(_survey_title(layers, what, titles))
@@ -150,14 +172,13 @@ def plot_survey_head_class(
     sink_threshold: float = 0.3,
     recent_threshold: float = 0.5,
     titles: bool = True,
+    statistics: pd.DataFrame | None = None,
 ) -> Figure:
     """Layer x head map of Gu et al.'s importance of frame 0, one panel per captured step, each
     cell marked with its head class (statistics column `head_class`): sink o, recent ^, spread
-    unmarked."""
+    unmarked. `statistics`: see `statistics_of`."""
     layers = _survey_layers(datasets)
-    table = survey_statistics(
-        list(layers.values()), sink_threshold=sink_threshold, recent_threshold=recent_threshold
-    )
+    table = statistics_of(layers, statistics, sink_threshold, recent_threshold)
     fig, axes, steps, heads, mesh = _layer_head_maps(layers, table, "importance", legend_rows=1)
     layer_list = list(layers)
     _, width, height = layer_head_geometry(len(layer_list), len(heads), len(steps))
@@ -208,12 +229,16 @@ def _sink_rate_axes(ax: Axes, sink_threshold: float, title: str) -> None:
 
 @styled
 def plot_survey_sink_rate(
-    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, titles: bool = True
+    datasets: Sequence[xr.Dataset],
+    *,
+    sink_threshold: float = 0.3,
+    titles: bool = True,
+    statistics: pd.DataFrame | None = None,
 ) -> Figure:
     """Sink rate per layer (`stats.sink_rates`: the share of heads whose importance of frame 0 is
-    at least `sink_threshold`), one line per captured step."""
+    at least `sink_threshold`), one line per captured step. `statistics`: see `statistics_of`."""
     layers = _survey_layers(datasets)
-    table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+    table = statistics_of(layers, statistics, sink_threshold)
     rates = stats.sink_rates(table, sink_threshold)
     steps = common_steps(list(layers.values()))
     colors = step_colors([label for _, label in steps])
@@ -378,15 +403,16 @@ def plot_survey_spatial(
     step: int = 0,
     top: int = 8,
     titles: bool = True,
+    statistics: pd.DataFrame | None = None,
 ) -> Figure:
     """Where in latent frame 0 the `top` strongest first-frame sinks of the survey attend: per
     head the H' x W' image of `first_frame_image` at `step`, on one shared colour scale (linear,
-    log when the values span more than a decade)."""
+    log when the values span more than a decade). `statistics`: see `statistics_of`."""
     layers = _survey_layers(datasets)
     first = next(iter(layers.values()))
     select_step(first, step)
     stores = attention_by_layer(attention, layers)
-    strongest = strongest_sinks(survey_statistics(list(layers.values())), step, top)
+    strongest = strongest_sinks(statistics_of(layers, statistics), step, top)
     if strongest.empty:
         raise ValueError(
             f"no head of {checkpoint_of(first)}/{prompt_of(first)} has a first-frame mass at step "
