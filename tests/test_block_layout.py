@@ -18,13 +18,9 @@ from snakemake.exceptions import WorkflowError
 
 from sinkscope.analysis.plots.run import plot_figure4
 from sinkscope.analysis.policies import policy_table
-from sinkscope.analysis.reduce import (
-    open_attention_store,
-    open_frame_dataset,
-    reduce_attention_store,
-    reduce_token_store,
-)
+from sinkscope.analysis.reduce import reduce_attention_store, reduce_token_store
 from sinkscope.analysis.stats import frame_statistics, query_sets
+from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.extraction.cache_policies import CachePolicy
 from sinkscope.extraction.closed_loop import frame_table_csv
 from sinkscope.extraction.job import RolloutPlan, extract

@@ -15,7 +15,8 @@ import torch
 import xarray as xr
 
 from sinkscope.analysis.policies import policy_table
-from sinkscope.analysis.reduce import open_attention_store, reduce_attention_store
+from sinkscope.analysis.reduce import reduce_attention_store
+from sinkscope.analysis.stores import open_attention_store
 from sinkscope.cache_choices import KEY_KIND
 from sinkscope.extraction.cache_policies import CachePolicy
 from sinkscope.extraction.closed_loop import closed_loop, load_latents

@@ -11,7 +11,7 @@ from matplotlib.collections import PolyCollection
 from sinkscope.analysis.plots import render_figures
 from sinkscope.analysis.plots.common import PROFILE_LABELS
 from sinkscope.analysis.plots.compare import plot_checkpoints, plot_passes, plot_prompts
-from sinkscope.analysis.reduce import open_frame_dataset
+from sinkscope.analysis.stores import open_frame_dataset
 
 from .figurefixtures import (
     SMALL,

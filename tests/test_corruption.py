@@ -16,7 +16,8 @@ import xarray as xr
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from sinkscope.analysis.reduce import open_frame_dataset, reduce_rows, reduce_token_store
+from sinkscope.analysis.reduce import reduce_rows, reduce_token_store
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.extraction.store import TokenStoreWriter
 from sinkscope.frames import visible_frames
 from tests.storefixtures import default_attrs, random_block_causal_logits, write_token_store

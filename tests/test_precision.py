@@ -27,8 +27,9 @@ import pytest
 import torch
 import xarray as xr
 
-from sinkscope.analysis.reduce import open_frame_dataset, reduce_attention_store
+from sinkscope.analysis.reduce import reduce_attention_store
 from sinkscope.analysis.stats import frame_statistics
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.extraction.capture import LogitCapture
 from sinkscope.extraction.closed_loop import closed_loop, load_latents
 from sinkscope.extraction.job import extract

@@ -10,7 +10,8 @@ import xarray as xr
 import zarr
 
 import sinkscope.analysis.reduce as reduce_module
-from sinkscope.analysis.reduce import open_frame_dataset, reduce_rows, reduce_token_store
+from sinkscope.analysis.reduce import reduce_rows, reduce_token_store
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.frames import visible_frames
 from sinkscope.storage import decoded_attrs
 from tests.storefixtures import random_block_causal_logits, write_token_store

@@ -273,7 +273,8 @@ def test_attention_store_of_a_rolling_run(tmp_path):
     slot holds the call where the query block sat at that step (the cache pass: its last clean
     pass), `key_version` says which copy of each key frame it saw (anchor, clean, or a window
     frame at its step), and `prob_mass` is the reference's softmax summed per key frame."""
-    from sinkscope.analysis.reduce import open_frame_dataset, reduce_attention_store
+    from sinkscope.analysis.reduce import reduce_attention_store
+    from sinkscope.analysis.stores import open_frame_dataset
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.store import AttentionStoreWriter
     from sinkscope.schedules import KEY_VERSION, NOISY_VERSION

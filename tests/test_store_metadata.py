@@ -15,12 +15,9 @@ import pytest
 import xarray as xr
 
 from sinkscope.analysis.policies import write_policies
-from sinkscope.analysis.reduce import (
-    open_frame_dataset,
-    reduce_attention_store,
-    reduce_token_store,
-)
+from sinkscope.analysis.reduce import reduce_attention_store, reduce_token_store
 from sinkscope.analysis.stats import FRAME_COLUMNS, read_stats, write_stats, write_summary
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.extraction.job import extract
 from sinkscope.storage import (
     JSON_ATTRIBUTES,

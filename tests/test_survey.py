@@ -10,11 +10,8 @@ import pytest
 import torch
 import xarray as xr
 
-from sinkscope.analysis.reduce import (
-    open_frame_dataset,
-    reduce_attention_store,
-    reduce_token_store,
-)
+from sinkscope.analysis.reduce import reduce_attention_store, reduce_token_store
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.extraction.capture import softmax_reductions
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.store import AttentionStoreWriter, partial_path

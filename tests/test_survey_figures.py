@@ -14,7 +14,7 @@ import xarray as xr
 from matplotlib.collections import PathCollection, QuadMesh
 
 from sinkscope import frames
-from sinkscope.analysis import figures, reduce, stats
+from sinkscope.analysis import figures, stats
 from sinkscope.analysis.plots import render_figures
 from sinkscope.analysis.plots.common import head_label, save_figure
 from sinkscope.analysis.plots.survey import (
@@ -27,6 +27,7 @@ from sinkscope.analysis.plots.survey import (
     plot_survey_sink_rate_runs,
     plot_survey_spatial,
 )
+from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.storage import mark_complete
 
 from .figurefixtures import svg_has_raster, svg_texts
@@ -410,7 +411,7 @@ def test_first_frame_image_of_a_lazily_opened_store(tmp_path):
         store.assign(key_mass=chunked).to_zarr(path, zarr_format=3)
         mark_complete(path)
         paths.append(path)
-    opened = [reduce.open_attention_store(path) for path in paths]
+    opened = [open_attention_store(path) for path in paths]
     assert all(store["key_mass"].chunks is not None for store in opened)  # lazy
     image = first_frame_image(opened[1], datasets[1], head=2, step=3)
     rows = last_rows(datasets[1])
@@ -455,8 +456,8 @@ def test_render_survey_figures(tmp_path):
             assert any(text in t for t in found), f"{text!r} missing from {path.name}"
     # The statistics render computes once for the four are each figure's own: each builder,
     # computing them itself, draws the same bytes.
-    opened = [reduce.open_frame_dataset(path) for path in frame_paths]
-    stores = [reduce.open_attention_store(path, key_tokens=True) for path in attention]
+    opened = [open_frame_dataset(path) for path in frame_paths]
+    stores = [open_attention_store(path, key_tokens=True) for path in attention]
     alone = {
         "first_frame": plot_survey_first_frame(opened),
         "head_class": plot_survey_head_class(opened, sink_threshold=0.2, recent_threshold=0.6),
@@ -638,7 +639,7 @@ def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
     )
     assert path == out / "survey_sink_rate_runs.svg" and not svg_has_raster(path)
     assert "t=625" in " ".join(svg_texts(path))
-    datasets = [reduce.open_frame_dataset(p) for p in frame_paths]
+    datasets = [open_frame_dataset(p) for p in frame_paths]
     fig = plot_survey_sink_rate_runs(datasets, sink_threshold=threshold, step=step)
     (ax,) = fig.axes
     assert [line.get_label() for line in ax.lines] == [f"{c} · {p}" for c, p in runs]

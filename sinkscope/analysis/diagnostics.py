@@ -40,9 +40,9 @@ import pandas as pd
 import zarr
 
 from sinkscope.analysis.closed_loop import RUN_KEYS, policy_order, read_deviation, read_run_table
-from sinkscope.analysis.reduce import open_attention_store
 from sinkscope.analysis.slots import is_slot_store
 from sinkscope.analysis.stats import is_sink
+from sinkscope.analysis.stores import open_attention_store
 from sinkscope.diagnostics import HEAD_DIM, phase_concentration
 from sinkscope.storage import write_text_atomically
 from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS
@@ -122,7 +122,7 @@ class SinkMass:
 
 def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
     """`SinkMass` of the attention store over cache slots at `path` (checked as
-    `reduce.open_attention_store` checks it): per (step, head, query frame) the nansum of
+    `stores.open_attention_store` checks it): per (step, head, query frame) the nansum of
     `key_mass` over the slots whose `slot_frame` is in 0 .. sink_frames - 1. Reads one step and
     a run of query frames at a time (at most about 64 MB)."""
     ds = open_attention_store(path)

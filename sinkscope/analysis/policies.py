@@ -46,8 +46,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
 from sinkscope.analysis.stats import ROW_KEYS, across_prompts
+from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.cache_choices import ParticipativeChoice, TopCChoice, buffered_query_frames
 from sinkscope.schedules import key_frames_of, rolling_calls, rolling_policy_keys
 from sinkscope.storage import decoded_attrs, write_text_atomically

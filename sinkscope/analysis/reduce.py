@@ -6,14 +6,13 @@ a single dask graph; only the small frame x frame results are ever held whole. W
 the key frames with visible logits are touched, a few rows at a time (benchmarks/reduce.py).
 
 Damage is named, not reduced: the store's chunks carry crc32c checksums (extraction/store.py), and
-a chunk that fails its read fails the reduction with the store, the variable and the chunk named.
-The frame dataset's chunks carry crc32c checksums too.
+a chunk that fails its read fails the reduction with the store, the variable and the chunk named
+(`stores.py` opens and checks the stores and names the damage). The frame dataset's chunks carry
+crc32c checksums too.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import os
 import time
@@ -28,12 +27,28 @@ import zarr
 from dask.callbacks import Callback
 
 from sinkscope.analysis import slots
-from sinkscope.frames import block_of_frame, token_frames
+from sinkscope.analysis.stores import (
+    DAMAGED,
+    FRAME_DIMS,
+    STORE_NAMES,
+    check_attention_store,
+    check_token_store,
+    chunk_failures,
+    damaged,
+    error_text,
+    open_array,
+    open_store,
+    read_token_rows,
+    read_values,
+    region_chunks,
+    token_store_error,
+    unreadable,
+)
+from sinkscope.frames import block_of_frame
 from sinkscope.storage import (
     ATTRIBUTES_CHECKSUM,
     VARIABLE_ATTRS,
     atomic_path,
-    attributes_checksum,
     checked_compressors,
     decoded_attrs,
     encode_attrs,
@@ -81,12 +96,6 @@ class ReduceProgress(Callback):
             left,
         )
 
-
-LOGIT_DIMS = ("step", "head", "query_token", "key_token")
-KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
-# The `store` attribute of a store (and of the frame dataset reduced from it), in words.
-STORE_NAMES = {"tokens": "token store", "attention": "attention store"}
-FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
 
 # The fast path of reduce_rows works on sub-blocks of about this many logits (an 8-byte index and
 # two float32 values each: 4 MB), so that each pass after the first reads data still in the cache.
@@ -294,240 +303,6 @@ def _reduce_shard(
     return reduce_rows(rows, num_frames)[None, None, None, :]
 
 
-def read_token_rows(
-    logits: zarr.Array, path: Path, step: int, head: int, frame: int, tokens_per_frame: int
-) -> np.ndarray:
-    """logits[step, head, the query frame's T rows, :]; a failed read names its chunk."""
-    t = tokens_per_frame
-    rows = slice(frame * t, (frame + 1) * t)
-    try:
-        return logits[step, head, rows, :]
-    except Exception as err:
-        region = (slice(step, step + 1), slice(head, head + 1), rows, slice(0, logits.shape[3]))
-        coords = _region_chunks(logits, region)
-        failures = _chunk_failures(logits, coords)
-        detail = f"step {step}, head {head}, query frame {frame}"
-        if failures and len(failures) == len(coords):
-            detail += "; every tile: its shard index or the whole shard is damaged"
-        elif failures:
-            key_frames = sorted({c[3] * logits.chunks[3] // t for c, _ in failures})
-            detail += f"; the tiles of key frame(s) {', '.join(map(str, key_frames))}"
-        raise _unreadable("token store", path, "logits", err, logits, coords, detail) from err
-
-
-def _region_chunks(
-    array: zarr.Array, region: tuple[slice, ...] | None = None
-) -> list[tuple[int, ...]]:
-    """Coordinates of the chunks (inner chunks of a sharded array) of `array` that `region`
-    (default: all of it) touches."""
-    region = region or tuple(slice(0, size) for size in array.shape)
-    ranges = [
-        range(part.start // chunk, -(-part.stop // chunk))
-        for part, chunk in zip(region, array.chunks, strict=True)
-    ]
-    return list(itertools.product(*ranges))
-
-
-def _chunk_failures(
-    array: zarr.Array, chunk_coords: list[tuple[int, ...]]
-) -> list[tuple[tuple[int, ...], Exception]]:
-    """(coordinates, error) of each of these chunks whose read fails, read one at a time."""
-    failures = []
-    for coords in chunk_coords:
-        selection = tuple(
-            slice(i * chunk, min((i + 1) * chunk, size))
-            for i, chunk, size in zip(coords, array.chunks, array.shape, strict=True)
-        )
-        try:
-            array[selection]
-        except Exception as err:
-            failures.append((coords, err))
-    return failures
-
-
-def _storage_keys(array: zarr.Array, chunk_coords: list[tuple[int, ...]]) -> str:
-    """The keys of the files (shards, or chunks of an unsharded array) holding these chunks."""
-    per_file = array.shards or array.chunks
-    keys = []
-    for coords in chunk_coords:
-        file_coords = tuple(
-            i * chunk // size for i, chunk, size in zip(coords, array.chunks, per_file, strict=True)
-        )
-        key = array.metadata.encode_chunk_key(file_coords)
-        if key not in keys:
-            keys.append(key)
-    return ", ".join(keys)
-
-
-# What to do about a token store or a frame dataset that fails a read, and the job that made it.
-_DAMAGED = {
-    "token store": "the store is damaged: re-run its extraction",
-    "attention store": "the store is damaged: re-run its survey",
-    "frame dataset": "the dataset is damaged: re-run its reduce",
-}
-_MADE_BY = {"token store": "extraction", "attention store": "survey", "frame dataset": "reduce"}
-
-
-def _damaged(kind: str, path: Path, problem: str) -> ValueError:
-    """The error for a `kind` at `path` that is damaged in the way `problem` says."""
-    return ValueError(f"{kind} {path}: {problem}; {_DAMAGED[kind]}")
-
-
-def _cause(err: Exception) -> str:
-    return f"{type(err).__name__}: {err}"
-
-
-def _unreadable(
-    kind: str,
-    path: Path,
-    name: str,
-    err: Exception,
-    array: zarr.Array | None = None,
-    chunk_coords: list[tuple[int, ...]] | None = None,
-    detail: str = "",
-) -> ValueError:
-    """The error for variable `name` of the `kind` at `path`, whose read failed with `err`.
-
-    The chunks (default: all of `array`) are read again one at a time: those that fail are named,
-    with the first one's error; if none fails on its own, all of them are named.
-    """
-    where, cause = f"variable {name!r}", err
-    if array is not None:
-        coords = chunk_coords if chunk_coords is not None else _region_chunks(array)
-        failures = _chunk_failures(array, coords)
-        if failures:
-            coords, cause = [c for c, _ in failures], failures[0][1]
-        where += f", chunk {_storage_keys(array, coords)}"
-    if detail:
-        where += f" ({detail})"
-    return _damaged(kind, path, f"{where} cannot be read ({_cause(cause)})")
-
-
-def _open_array(path: Path, name: str) -> zarr.Array | None:
-    """Array `name` of the zarr group at `path`, as xarray sees it (consolidated metadata); None
-    if it cannot be opened."""
-    try:
-        array = zarr.open_group(str(path), mode="r")[name]
-    except Exception:
-        return None
-    return array if isinstance(array, zarr.Array) else None
-
-
-def _values(path: Path, ds: xr.Dataset, name: str, kind: str = "token store") -> np.ndarray:
-    """ds[name].values of a store; a failed read names the variable and its chunk."""
-    try:
-        return ds[name].values
-    except Exception as err:
-        raise _unreadable(kind, path, name, err, _open_array(path, name)) from err
-
-
-def _store_error(path: Path, message: str) -> ValueError:
-    return ValueError(f"token store {path}: {message}")
-
-
-def _check_metadata_copies(kind: str, path: Path) -> bool:
-    """Each array's zarr.json must equal its copy in the group's consolidated metadata (which is
-    what is read): a difference means one of them is damaged. Returns whether there is any."""
-    try:
-        root = json.loads((path / "zarr.json").read_text())
-        consolidated = (root.get("consolidated_metadata") or {}).get("metadata") or {}
-    except Exception as err:
-        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
-    for name, metadata in consolidated.items():
-        file = f"{name}/zarr.json"
-        try:
-            own = json.loads((path / file).read_text())
-        except Exception as err:
-            problem = f"variable {name!r}: {file} cannot be read ({_cause(err)})"
-            raise _damaged(kind, path, problem) from err
-        if own != metadata:
-            raise _damaged(
-                kind,
-                path,
-                f"variable {name!r}: {file} differs from its copy consolidated in zarr.json, so "
-                "one of them is damaged",
-            )
-    return bool(consolidated)
-
-
-def _check_attributes(kind: str, path: Path, attrs: dict) -> None:
-    """The attributes pass their checksum (if they have one) and carry the `complete` mark."""
-    if ATTRIBUTES_CHECKSUM in attrs:  # absent: written before the checksum, or by another writer
-        stored = attrs[ATTRIBUTES_CHECKSUM]  # JSON text since the attributes are netCDF-safe
-        try:
-            computed = attributes_checksum(attrs)
-            stored = json.loads(stored) if isinstance(stored, str) else stored
-        except (TypeError, ValueError) as err:
-            raise _damaged(kind, path, f"its attributes cannot be checked ({_cause(err)})") from err
-        if stored != computed:
-            raise _damaged(
-                kind,
-                path,
-                f"its attributes (in zarr.json) fail their checksum: {ATTRIBUTES_CHECKSUM} is "
-                f"{attrs[ATTRIBUTES_CHECKSUM]!r}, computed {computed}",
-            )
-    try:
-        complete = decoded_attrs(attrs).get("complete")
-    except (TypeError, ValueError) as err:
-        raise _damaged(kind, path, f"its attributes cannot be read ({_cause(err)})") from err
-    if complete is not True:
-        raise ValueError(
-            f"{kind} {path}: not marked complete: its {_MADE_BY[kind]} was killed or is still "
-            "running; re-run it"
-        )
-
-
-def _store_layout(
-    kind: str, path: Path, ds: xr.Dataset, arrays: tuple[str, ...]
-) -> tuple[int, int, list[int]]:
-    """What every store must have (checked attributes, the layout attributes, `arrays`), and
-    its layout: (T, F, block sizes)."""
-    _check_attributes(kind, path, ds.attrs)
-    for key in ("frame_seq_length", "num_frames", "block_sizes"):
-        if key not in ds.attrs:
-            raise ValueError(f"{kind} {path}: missing group attribute {key!r}")
-    for name in arrays:
-        if name not in ds.variables:
-            raise ValueError(f"{kind} {path}: missing array {name!r}")
-    tokens_per_frame = int(ds.attrs["frame_seq_length"])
-    num_frames = int(ds.attrs["num_frames"])
-    sizes = [int(size) for size in ds.attrs["block_sizes"]]
-    if sum(sizes) != num_frames:
-        raise ValueError(
-            f"{kind} {path}: block_sizes {sizes} do not add up to num_frames={num_frames}"
-        )
-    return tokens_per_frame, num_frames, sizes
-
-
-def check_token_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
-    """Validate the layout against the attributes; returns (T, F, block sizes)."""
-    tokens_per_frame, num_frames, sizes = _store_layout(
-        "token store", path, ds, ("timestep", "pass_kind")
-    )
-    if "logits" not in ds.variables and "logit_mean_pooled" not in ds.variables:
-        raise _store_error(path, "has neither 'logits' nor 'logit_mean_pooled'")
-    if "logits" not in ds.variables:
-        return tokens_per_frame, num_frames, sizes  # capture.tokens: false
-    logits = ds["logits"]
-    if tuple(logits.dims) != LOGIT_DIMS:
-        raise _store_error(path, f"logits has dims {logits.dims}, expected {LOGIT_DIMS}")
-    num_tokens = num_frames * tokens_per_frame
-    for dim in ("query_token", "key_token"):
-        if ds.sizes[dim] != num_tokens:
-            raise _store_error(
-                path,
-                f"{dim} has {ds.sizes[dim]} tokens, expected num_frames * frame_seq_length = "
-                f"{num_frames} * {tokens_per_frame} = {num_tokens}",
-            )
-    expected_frames = token_frames(num_frames, tokens_per_frame)
-    for name in ("query_frame", "key_frame"):
-        if name in ds.variables and not np.array_equal(_values(path, ds, name), expected_frames):
-            raise _store_error(
-                path, f"{name} does not map token t to frame t // {tokens_per_frame}"
-            )
-    return tokens_per_frame, num_frames, sizes
-
-
 def _strings(values) -> np.ndarray:
     """Object-dtype strings: xarray stores them as zarr v3 variable-length `string`, which is
     stable, where numpy's fixed-width unicode would become an unspecified zarr dtype."""
@@ -595,58 +370,18 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
         mark_complete(temporary)
 
 
-def open_store(kind: str, path: Path, **open_options) -> xr.Dataset:
-    """xr.open_zarr of a store after checking it is one and its metadata copies agree; errors
-    name the path."""
-    if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(f"{kind} {path} is not a zarr v3 group")
-    if not _check_metadata_copies(kind, path):
-        # Not consolidated (a store still being written): read as it is, without xarray's
-        # warning; the `complete` check then names it.
-        open_options.setdefault("consolidated", False)
-    try:
-        return xr.open_zarr(path, **open_options)
-    except Exception as err:
-        raise _damaged(kind, path, f"its zarr.json cannot be read ({_cause(err)})") from err
-
-
-def _check_attention_store(path: Path, ds: xr.Dataset) -> tuple[int, int, list[int]]:
-    """Validate an attention store's layout against its attributes: (T, F, block sizes)."""
-    kind = STORE_NAMES["attention"]
-    if slots.is_slot_store(ds):
-        arrays = ("key_mass", "entropy", "timestep", "pass_kind")
-        tokens_per_frame, num_frames, sizes = _store_layout(kind, path, ds, arrays)
-        slots.check_slot_store(kind, path, ds, num_frames)
-        return tokens_per_frame, num_frames, sizes
-    arrays = ("key_mass", "entropy", "logit_mean_pooled", "timestep", "pass_kind")
-    tokens_per_frame, num_frames, sizes = _store_layout(kind, path, ds, arrays)
-    key_mass = ds["key_mass"]
-    if tuple(key_mass.dims) != KEY_MASS_DIMS:
-        raise ValueError(
-            f"{kind} {path}: key_mass has dims {key_mass.dims}, expected {KEY_MASS_DIMS}"
-        )
-    expected = {"query_frame": num_frames, "key_token": num_frames * tokens_per_frame}
-    for dim, size in expected.items():
-        if ds.sizes[dim] != size:
-            raise ValueError(
-                f"{kind} {path}: {dim} has {ds.sizes[dim]} entries, expected {size} "
-                f"(num_frames={num_frames}, frame_seq_length={tokens_per_frame})"
-            )
-    return tokens_per_frame, num_frames, sizes
-
-
 def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
     """The frame dataset of an opened attention store: key_mass summed per key frame (xarray
     coarsen over dask chunks, one chunk per pass and block), the stored entropy, pooled logits."""
     kind = STORE_NAMES["attention"]
-    tokens_per_frame, num_frames, sizes = _check_attention_store(path, ds)
+    tokens_per_frame, num_frames, sizes = check_attention_store(path, ds)
     if slots.is_slot_store(ds):
         try:
             prob_mass, logit_mean, versions = slots.frame_view(path, num_frames)
         except Exception as err:
-            raise _unreadable(kind, path, "key_mass", err, _open_array(path, "key_mass")) from err
-        slots.check_view(kind, path, prob_mass, _DAMAGED[kind])
-        entropy = _values(path, ds, "entropy", kind).astype(np.float32)
+            raise unreadable(kind, path, "key_mass", err, open_array(path, "key_mass")) from err
+        slots.check_view(kind, path, prob_mass, DAMAGED[kind])
+        entropy = read_values(path, ds, "entropy", kind).astype(np.float32)
         return _frame_dataset(
             ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions
         )
@@ -664,14 +399,14 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
         ):
             prob_mass = per_frame.sum("token", skipna=False).values.astype(np.float32)
     except Exception as err:
-        array = _open_array(path, "key_mass")
-        if array is not None and not _chunk_failures(array, _region_chunks(array)):
+        array = open_array(path, "key_mass")
+        if array is not None and not chunk_failures(array, region_chunks(array)):
             raise  # not a damaged chunk
-        raise _unreadable(kind, path, "key_mass", err, array) from err
-    entropy = _values(path, ds, "entropy", kind).astype(np.float32)
-    logit_mean = _values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
+        raise unreadable(kind, path, "key_mass", err, array) from err
+    entropy = read_values(path, ds, "entropy", kind).astype(np.float32)
+    logit_mean = read_values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
     _check_mass(path, prob_mass, logit_mean)
-    versions = _values(path, ds, "key_version", kind) if "key_version" in ds else None
+    versions = read_values(path, ds, "key_version", kind) if "key_version" in ds else None
     return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions)
 
 
@@ -684,16 +419,18 @@ def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
         raise ValueError(
             f"{kind} {path}: key_mass and logit_mean_pooled disagree on the visible key frames "
             f"(first at {_tile_name(disagree)}): a key_mass chunk is missing or the store is "
-            f"damaged; {_DAMAGED[kind]}"
+            f"damaged; {DAMAGED[kind]}"
         )
     # Where both agree on what was seen, what was seen must add up to 1.
-    slots.check_view(kind, path, prob_mass, _DAMAGED[kind])
+    slots.check_view(kind, path, prob_mass, DAMAGED[kind])
 
 
 def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
     """The frame dataset of an opened token store."""
     tokens_per_frame, num_frames, sizes = check_token_store(token_store, ds)
-    pooled = _values(token_store, ds, "logit_mean_pooled") if "logit_mean_pooled" in ds else None
+    pooled = (
+        read_values(token_store, ds, "logit_mean_pooled") if "logit_mean_pooled" in ds else None
+    )
     if "logits" in ds.variables:
         logit_mean, prob_mass, entropy = _reduce_logits(
             token_store, tokens_per_frame, num_frames, threads
@@ -708,7 +445,7 @@ def _reduce_dataset(token_store: Path, ds: xr.Dataset, threads: int | None) -> x
         logit_mean = pooled.astype(np.float32)
         prob_mass = np.full_like(logit_mean, np.nan)
         entropy = np.full(logit_mean.shape[:3], np.nan, dtype=np.float32)
-    versions = _values(token_store, ds, "key_version") if "key_version" in ds else None
+    versions = read_values(token_store, ds, "key_version") if "key_version" in ds else None
     return _frame_dataset(
         ds, token_store, logit_mean, prob_mass, entropy, sizes, "tokens", versions
     )
@@ -750,8 +487,8 @@ def _frame_dataset(
         "head": ("head", np.arange(num_heads)),
         "query_frame": ("query_frame", frames),
         "key_frame": ("key_frame", frames),
-        "timestep": ("step", np.asarray(_values(path, ds, "timestep", kind), np.float32)),
-        "pass_kind": ("step", _strings(_values(path, ds, "pass_kind", kind))),
+        "timestep": ("step", np.asarray(read_values(path, ds, "timestep", kind), np.float32)),
+        "pass_kind": ("step", _strings(read_values(path, ds, "pass_kind", kind))),
         "block": ("query_frame", block_of_frame(sizes)),
         "checkpoint": ((), _strings(attrs.get("checkpoint", ""))),
         "prompt": ((), _strings(attrs.get("prompt", ""))),
@@ -773,8 +510,8 @@ def _reduce_logits(
     try:
         logits = zarr.open_group(str(path), mode="r")["logits"]
     except Exception as err:
-        problem = f"variable 'logits' cannot be opened ({_cause(err)})"
-        raise _damaged("token store", path, problem) from err
+        problem = f"variable 'logits' cannot be opened ({error_text(err)})"
+        raise damaged("token store", path, problem) from err
     num_steps, num_heads = logits.shape[:2]
     reduced = da.map_blocks(
         _reduce_shard,
@@ -801,7 +538,7 @@ def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None
     seen = ~np.isnan(logit_mean)
     disagree = seen != ~np.isnan(pooled)
     if disagree.any():
-        raise _store_error(
+        raise token_store_error(
             path,
             f"logits and logit_mean_pooled disagree on the visible tiles (first at "
             f"{_tile_name(disagree)}): a logits shard is missing or the store is damaged; "
@@ -814,7 +551,7 @@ def _cross_check(path: Path, logit_mean: np.ndarray, pooled: np.ndarray) -> None
     # float16 keeps 11 significant bits: a mean of rounded logits is off by <= 2^-11 of their size.
     tolerance = 2.0**-10 * (1.0 + float(np.abs(pooled[seen]).max()))
     if difference > tolerance:
-        raise _store_error(
+        raise token_store_error(
             path,
             f"logit_mean from the token logits differs from the pooled q.k by {difference:.3g} "
             f"(> {tolerance:.3g}; at {_tile_name(error == difference)}): the stored logits are "
@@ -826,74 +563,3 @@ def _tile_name(where: np.ndarray) -> str:
     """The first True of a (step, head, query frame, key frame) mask, in words."""
     step, head, query, key = (int(i) for i in np.argwhere(where)[0])
     return f"step {step}, head {head}, query frame {query}, key frame {key}"
-
-
-def _unreadable_frames(path: Path, err: Exception, name: str | None = None) -> ValueError:
-    """The error for a frame dataset that fails a read: the variable and chunk that fail, found
-    with zarr (the first that fails if `name` is None), else the path alone."""
-    try:
-        group = zarr.open_group(str(path), mode="r")
-        names = [name] if name is not None else sorted(group.array_keys())
-    except Exception:
-        names = []
-    for variable in names:
-        array = _open_array(path, variable)
-        if array is not None and (
-            name is not None or _chunk_failures(array, _region_chunks(array))
-        ):
-            return _unreadable("frame dataset", path, variable, err, array)
-    return ValueError(
-        f"frame dataset {path} cannot be read ({_cause(err)}); {_DAMAGED['frame dataset']}"
-    )
-
-
-def open_attention_store(path: str | os.PathLike, *, key_tokens: bool = False) -> xr.Dataset:
-    """Open an attention store (Contract 4) lazily (key_mass stays on disk), checking its
-    metadata copies, attribute checksum, `complete` mark and layout; errors name the path.
-    `key_tokens`: a store over cache slots comes as a store over every token of the video
-    (`slots.key_token_view`, in memory), as the offline recall and the survey figures read it."""
-    path = Path(path)
-    kind = STORE_NAMES["attention"]
-    store = open_store(kind, path)
-    _check_attention_store(path, store)
-    missing = [
-        name for name in ("checkpoint", "prompt", "layer", "latent_grid") if name not in store.attrs
-    ]
-    if missing:
-        raise ValueError(f"{kind} {path}: missing group attributes {missing}")
-    if key_tokens and slots.is_slot_store(store):
-        return slots.key_token_view(store)
-    return store
-
-
-FRAME_VARIABLES = ("logit_mean", "prob_mass", "entropy", "timestep", "pass_kind", "block")
-
-
-def open_frame_dataset(path: str | os.PathLike) -> xr.Dataset:
-    """Open a frame dataset (Contract 2) and load it (it is small), checking it has what the
-    statistics and figures read; errors name the path."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"frame dataset not found: {path}")
-    _check_metadata_copies("frame dataset", path)
-    try:
-        # No dask: it is read whole at once (and reads the dimension coordinates already).
-        opened = xr.open_zarr(path, chunks=None)
-    except Exception as err:
-        raise _unreadable_frames(path, err) from err
-    with opened as ds:
-        for name, variable in ds.variables.items():
-            try:
-                variable.load()
-            except Exception as err:
-                raise _unreadable_frames(path, err, name) from err
-        ds = ds.load()
-    _check_attributes("frame dataset", path, ds.attrs)
-    missing = [
-        name
-        for name in (*FRAME_VARIABLES, "checkpoint", "prompt", "layer")
-        if name not in ds.variables
-    ]
-    if missing:
-        raise ValueError(f"frame dataset {path} lacks {missing}")
-    return ds

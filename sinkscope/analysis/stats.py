@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from sinkscope.analysis.reduce import open_frame_dataset
+from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.storage import write_text_atomically
 
 MEASURES = ("logit_mean", "prob_mass")

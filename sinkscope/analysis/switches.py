@@ -35,8 +35,8 @@ from sinkscope.analysis.diagnostics import (
     rollout_folder,
     sink_frame_count,
 )
-from sinkscope.analysis.reduce import open_attention_store
 from sinkscope.analysis.slots import is_slot_store
+from sinkscope.analysis.stores import open_attention_store
 from sinkscope.cache_choices import KEY_KIND
 from sinkscope.storage import decoded_attrs, write_text_atomically
 from sinkscope.tables import SWITCH_COLUMNS

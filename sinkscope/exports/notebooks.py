@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import zarr
 
-from sinkscope.analysis.reduce import (
+from sinkscope.analysis.stores import (
     STORE_NAMES,
     check_token_store,
     open_frame_dataset,
@@ -133,7 +133,7 @@ class _TokenLayer:
 def _open_token_layer(path: str | Path, layer: int, step: int) -> _TokenLayer:
     """Open and check the token store of `layer` for an export of captured pass `step`."""
     path = Path(path)
-    with open_store(TOKEN_STORE, path) as ds:
+    with open_store(TOKEN_STORE, path, chunks=None) as ds:  # metadata only: no dask
         tokens_per_frame, num_frames, sizes = check_token_store(path, ds)
         attrs = dict(ds.attrs)
         has_logits = "logits" in ds.variables

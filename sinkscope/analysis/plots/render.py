@@ -22,7 +22,7 @@ from sinkscope.analysis import figures
 from sinkscope.analysis.closed_loop import read_closed_loop_summary, read_deviation
 from sinkscope.analysis.diagnostics import read_block_diagnostics
 from sinkscope.analysis.policies import read_policies
-from sinkscope.analysis.reduce import open_attention_store, open_frame_dataset
+from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.analysis.switches import read_switch_table
 
 from . import closed_loop, compare, policy, run, survey
