@@ -436,13 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             # As the survey job runs it: the store process's child starts and opens its stores
             # while the weights load (`extraction.job.extract`), before the rollout's timer.
             surveyed = timed_rollout(
-                model,
-                text,
-                geometry,
-                device,
-                dtype,
-                stores=survey_dir,
-                layers=layers,
+                model, text, geometry, device, dtype, stores=survey_dir, layers=layers
             )
             survey, survey_peak = surveyed.seconds, surveyed.peak
             ratio = survey / plain

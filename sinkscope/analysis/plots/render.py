@@ -164,6 +164,7 @@ def render_figures(
     if any(kind.surveyed for kind in kinds):
         survey_data = _survey_datasets(_of_layers(datasets, survey_layers), attention)
         runs = survey.survey_runs(survey_data)
+    statistics = None  # the survey figures' builders compute it themselves when None
     if any(kind.scope == "survey" for kind in kinds):
         if len(runs) > 1:
             raise ValueError(f"survey figures show one run, got {list(runs)}")
@@ -190,9 +191,8 @@ def render_figures(
         "blocks": tables.get("blocks"),
         "annotate": tuple(annotate),
         "titles": bool(titles),
+        "statistics": statistics,
     }
-    if any(kind.scope == "survey" for kind in kinds):
-        options["statistics"] = statistics
     scales: dict[str, tuple[float, float]] = {}
     written = []
     for path, kind, layer, fmt in plan:
