@@ -50,8 +50,10 @@ class Rope:
         self.dims = (head_dim - 2 * spatial, spatial, spatial)
         self.tables = []
         for dim in self.dims:
+            # Wan's rope_params: the reciprocal of a power (theta^-e differs in the last bit)
             exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-            angles = torch.outer(torch.arange(positions, dtype=torch.float64), theta**-exponents)
+            frequencies = 1.0 / torch.pow(theta, exponents)
+            angles = torch.outer(torch.arange(positions, dtype=torch.float64), frequencies)
             self.tables.append(torch.polar(torch.ones_like(angles), angles))
         self.temporal_pairs = self.dims[0] // 2
 

@@ -101,8 +101,8 @@ class ParticipativeKVCache(CacheEngine):
     """Deep Forcing's Participative Compression with or without Deep Sink under it, as its
     `causal_model.py` runs it: a cache of `choice.capacity` frames pruned at the first pass of a
     block that overflows it (`cache_choices.ParticipativeChoice` decides what stays, from the
-    raw q.k of the buffered queries, computed here in float64). One choice for all heads, so
-    `update` returns one token per key."""
+    raw q.k of the buffered queries, in the model's dtype as the release computes it). One
+    choice for all heads, so `update` returns one token per key."""
 
     def __init__(
         self,
@@ -155,10 +155,15 @@ class ParticipativeKVCache(CacheEngine):
 
     def scores(self) -> torch.Tensor:
         """Per held token, the raw q.k of the buffered queries summed over them and the heads,
-        in float64 (Deep Forcing's, less its positive scale)."""
+        as Deep Forcing's code computes it (less its positive scale, which never changes the
+        choice): the queries summed in the cache's dtype, then one product over heads x channels
+        per token, a batched matmul whose output is rounded to that dtype, then float32. In
+        bfloat16 many scores tie (8 significant bits); ties keep the older token
+        (`cache_choices`), where the release's CUDA `topk` documents no order."""
         count = self.choice.buffered_queries()
-        query_sum = self.queries[0, self.queries.shape[1] - count :].double().sum(dim=0)
-        return torch.einsum("hd,mhd->m", query_sum, self.k[0, : self.held].double())
+        query_sum = self.queries[:, self.queries.shape[1] - count :].sum(dim=1)  # [1, H, D]
+        keys = self.k[:, : self.held].flatten(2)  # [1, M, H * D]
+        return torch.bmm(query_sum.flatten(1)[:, None], keys.transpose(1, 2))[0, 0].float()
 
     def _prune(self, block_start: int) -> None:
         prune = self.choice.prune(self.scores().cpu().numpy(), block_start)

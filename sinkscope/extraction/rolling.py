@@ -100,7 +100,9 @@ class RollingKVCache(CacheEngine):
     def _anchor_keys(self, run: KeyRun, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block 0's first `run.frames` frames turned to `run.position`: RoPE afresh on the keys
         before RoPE (rerope, Rolling Forcing's anchor), or the keys after RoPE turned in time by
-        the shift, in float64 (delta)."""
+        the shift, in float64 (delta). Here delta turns the clean keys afresh from their own
+        positions at every call, one rounding each time, not turn after turn as Deep Forcing's
+        cache does: no release runs Deep Sink on the rolling sampler (docs/DESIGN.md)."""
         t = self.frame_seq_length
         tokens = slice(0, run.frames * t)
         if self.turn == "delta":

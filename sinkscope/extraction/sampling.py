@@ -297,6 +297,22 @@ def rollout(
     return output
 
 
+def velocity_to_x0(x: torch.Tensor, velocity: torch.Tensor, sigma: float) -> torch.Tensor:
+    """x0 = x_t - sigma v in float64, rounded once to x's dtype (Self-Forcing's
+    `WanDiffusionWrapper._convert_flow_pred_to_x0`)."""
+    return (x.double() - sigma * velocity.double()).to(x.dtype)
+
+
+def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
+    """(1 - sigma) x0 + sigma noise, as Self-Forcing's `FlowMatchScheduler.add_noise` computes
+    it: sigma is a float32 tensor of the schedule's table, so in a bfloat16 model both products
+    and the sum are float32 and the result is rounded once, to the noise's dtype. (A Python float
+    times a bfloat16 tensor would round each product and the sum: three roundings.) In float32 it
+    is the same arithmetic as with Python floats."""
+    sigma = torch.full((1,) * x0.dim(), sigma, dtype=torch.float32, device=x0.device)
+    return ((1 - sigma) * x0 + sigma * noise).type_as(noise)
+
+
 class _Blocks:
     """Each block's noisy input and latest x0 during a rollout, and the noise draws between them.
 
@@ -323,13 +339,13 @@ class _Blocks:
         for part, timestep in zip(call.parts, timesteps, strict=True):
             rows = slice(part.start - call.start, part.end - call.start)
             x, v = self.x[part.block], velocity[:, :, rows]
-            x0 = (x.double() - self.schedule.sigma(timestep) * v.double()).to(self.dtype)
+            x0 = velocity_to_x0(x, v, self.schedule.sigma(timestep))
             self.x0[part.block] = x0
             steps = self.schedule.timesteps_for_block(part.block)
             if part.step + 1 < len(steps):
                 sigma_next = self.schedule.sigma(steps[part.step + 1])
                 fresh = torch.randn(shape, generator=self.generator)[:, :, rows]
                 fresh = fresh.to(device=self.device, dtype=self.dtype)
-                self.x[part.block] = (1 - sigma_next) * x0 + sigma_next * fresh
+                self.x[part.block] = add_noise(x0, fresh, sigma_next)
             else:
                 del self.x[part.block]

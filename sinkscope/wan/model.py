@@ -48,14 +48,14 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 (the affine weights too, whatever the model's dtype) and
-    cast back, as Wan's WanLayerNorm normalises in float32."""
+    """Wan's WanLayerNorm: `nn.LayerNorm` on the tensor as it arrives, with the affine weights
+    (norm3's) in the model's dtype, cast back to the input's dtype. In bfloat16 the kernel
+    normalises in float32 and rounds once, weights applied; computing it as float32 with
+    float32 weights instead differs by one bfloat16 ulp in a few elements (docs/DESIGN.md,
+    "Where the model rounds")."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else self.weight.float()
-        bias = None if self.bias is None else self.bias.float()
-        normed = F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
-        return normed.type_as(x)
+        return super().forward(x).type_as(x)
 
 
 class CacheEngine:

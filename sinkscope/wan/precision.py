@@ -2,9 +2,11 @@
 does, and float32 on the CPU; `float32` and `bfloat16` force one on any device (bfloat16 on the
 CPU is slow but exact to what a GPU job computes in it, up to the kernels' summation order).
 
-Whatever the model's dtype, its norms normalise in float32 (`wan.model`), RoPE and the timestep
-sinusoid are computed in float64, and the capture's reductions (softmax, key mass, entropy,
-pooled logits) run in float32 (`extraction.capture`)."""
+In either dtype the model and the samplers round where the released code rounds (docs/DESIGN.md,
+"Where the model rounds": LayerNorm and RMS norm normalise in float32 inside, RoPE, the timestep
+sinusoid and x0 are computed in float64, the re-noise in float32, each rounded once to the
+model's dtype), and the capture's reductions (softmax, key mass, entropy, pooled logits) run in
+float32 beside the model (`extraction.capture`)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,19 @@ def axis_dims(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * spatial, spatial, spatial
 
 
+def _frequencies(dim: int, theta: float | torch.Tensor) -> torch.Tensor:
+    """omega_j = 1 / theta^(2j / dim), float64, written as Wan's `rope_params` computes it (the
+    reciprocal of a power: theta^(-2j / dim) differs from it in the last bit for some j at
+    head_dim 128, which can move a bfloat16 or float32 key by one ulp)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64).div(dim)
+    if isinstance(theta, torch.Tensor):
+        exponents = exponents.to(theta.device)
+        return 1.0 / torch.pow(theta[..., None], exponents)
+    return 1.0 / torch.pow(theta, exponents)
+
+
 def _axis_table(positions: int, dim: int, theta: float) -> torch.Tensor:
-    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    angles = torch.outer(torch.arange(positions, dtype=torch.float64), theta**-exponents)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), _frequencies(dim, theta))
     return torch.polar(torch.ones_like(angles), angles)
 
 
@@ -79,12 +89,15 @@ def rotate_frames(x: torch.Tensor, shift: int) -> torch.Tensor:
     as they are. Rotations compose, so this equals applying RoPE at the shifted positions to the
     un-rotated keys: what a cache needs to move keys it stored post-RoPE (Deep Forcing's deep sink).
     """
-    head_dim = x.shape[-1]
-    table_f, table_h, table_w = rope_tables(head_dim, x.device, rows=table_rows(abs(shift) + 1))
+    temporal = axis_dims(x.shape[-1])[0]
+    table_f = rope_tables(x.shape[-1], x.device, rows=table_rows(abs(shift) + 1))[0]
     turn = table_f[abs(shift)]
     turn = turn.conj() if shift < 0 else turn
-    still = torch.ones(table_h.shape[1] + table_w.shape[1], dtype=turn.dtype, device=x.device)
-    return apply_rope(x, torch.cat([turn, still]).view(1, 1, -1))
+    # Only the temporal channels are computed, as Deep Forcing turns them in place: the others
+    # keep their bits (a product with 1 + 0j would turn a -0.0 into +0.0).
+    out = x.clone()
+    out[..., :temporal] = apply_rope(x[..., :temporal], turn.view(1, 1, -1))
+    return out
 
 
 def head_angles(
@@ -100,10 +113,9 @@ def head_angles(
     frames, height, width = grid
     angles = rope_angles(head_dim, grid, start_frame, device)
     temporal = axis_dims(head_dim)[0]
-    exponents = torch.arange(0, temporal, 2, dtype=torch.float64, device=device) / temporal
     positions = torch.arange(start_frame, start_frame + frames, dtype=torch.float64, device=device)
     thetas = temporal_thetas.to(device=device, dtype=torch.float64)
-    phase = positions[:, None, None] * thetas[None, :, None] ** -exponents  # [F, heads, d_t/2]
+    phase = positions[:, None, None] * _frequencies(temporal, thetas)[None]  # [F, heads, d_t/2]
     per_token = torch.polar(torch.ones_like(phase), phase).repeat_interleave(height * width, 0)
     out = angles.expand(-1, len(thetas), -1).clone()
     out[..., : temporal // 2] = per_token
