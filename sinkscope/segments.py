@@ -4,12 +4,18 @@ long-video-family.md). No torch, no numpy: the config checks, the rules and the 
 
 - A segment takes effect at the first block starting at or after its `start` (LongLive: at most
   one switch per block; 40, 80, 160, 200 act at 42, 81, 162, 201 with Self-Forcing's [1, 3, ...]
-  blocks of its image-to-video layout, at 42, 81 ... of a T2V layout's block starts). From that
-  block on, every model call's cross-attention reads the segment's text: the cross-attention
-  cache reset of both releases (sinkscope keeps no cross-attention cache).
+  blocks of its image-to-video layout, at 42, 81 ... of a T2V layout's block starts). Two
+  segments that would take effect at one block do as LongLive's loop does: the later waits for
+  the next block start (10 and 11 with blocks of 3 act at 12 and 15), so no segment is lost.
+  From that block on, every model call's cross-attention reads the segment's text: the
+  cross-attention cache reset of both releases (sinkscope keeps no cross-attention cache).
 - `flush` on a segment: Infinity-RoPE's KV flush at the start of the next one, which cuts the
   cache to [sinks | the newest frames the window shows]. Every window cache of sinkscope holds
-  exactly that at a block start, so a flush changes no key (tested); it needs a window.
+  exactly that at a block start, so a flush changes no key (tested); it needs a window. One
+  exception, where sinkscope differs from the release and warns (`flush_before_full_window`):
+  a flush before the window has filled (Infinity-RoPE's 6 frames: a scene starting at block 1)
+  makes the release copy still-empty cache slots, so that block attends to zero keys and
+  values in place of its cached frames; sinkscope's flush still changes nothing.
 - `cut` on a segment (Infinity-RoPE's `#`): the next segment's first block sits at RoPE
   positions cut .. cut + frames - 1 in all its passes, cache pass included (45 in the release),
   while the sinks and the cached frames keep theirs; only where positions are relative.
@@ -82,11 +88,17 @@ def parse_segments(entry, key: str) -> list[Segment]:
 
 def switch_frames(segments: Sequence[Segment], block_starts: Sequence[int]) -> list[int]:
     """The latent frame where each segment after the first takes effect: the first block start
-    at or after its start. Segments starting at or past the video's end never take effect and are
-    left out, so a shorter rollout runs the segments that fall inside it."""
-    switches = []
+    at or after its start and after the previous segment's switch (LongLive switches at most
+    once per block, at a block start c >= the next switch frame, so a later switch falling in
+    the same block waits for the next one). Segments that would take effect past the video's
+    last block never do and are left out, so a shorter rollout runs the segments inside it."""
+    switches: list[int] = []
     for segment in segments[1:]:
-        later = [start for start in block_starts if start >= segment.start]
+        later = [
+            start
+            for start in block_starts
+            if start >= segment.start and (not switches or start > switches[-1])
+        ]
         if not later:
             break
         switches.append(later[0])
@@ -97,8 +109,8 @@ def check_switches(
     segments: Sequence[Segment], block_starts: Sequence[int], num_frames: int, key: str
 ) -> list[int]:
     """`switch_frames` of a rollout of `num_frames` whose blocks start at `block_starts`,
-    refusing, naming `key`, a segment that starts past the video or two that take effect at one
-    block (LongLive switches at most once per block: the earlier would be empty)."""
+    refusing, naming `key`, a segment that starts past the video or takes effect at no block
+    (past the last block start, itself or after an earlier segment waited for a block)."""
     for index, segment in enumerate(segments):
         if segment.start >= num_frames:
             raise SegmentError(
@@ -108,18 +120,35 @@ def check_switches(
     switches = switch_frames(segments, block_starts)
     if len(switches) < len(segments) - 1:
         index = len(switches) + 1
-        raise SegmentError(
-            f"{key}.segments[{index}].start: {segments[index].start} is after the last block "
-            f"start {block_starts[-1]}: it would take effect at no block"
-        )
-    for index in range(1, len(switches)):
-        if switches[index] == switches[index - 1]:
-            raise SegmentError(
-                f"{key}.segments[{index + 1}].start: {segments[index + 1].start} takes effect at "
-                f"frame {switches[index]}, the block where segments[{index}] (start "
-                f"{segments[index].start}) does: that segment would be empty"
+        start = segments[index].start
+        if start > block_starts[-1]:
+            why = f"is after the last block start {block_starts[-1]}"
+        else:
+            why = (
+                f"waits for a block after segments[{index - 1}]'s switch at frame "
+                f"{switches[-1]} (one switch per block), and none starts after it"
             )
+        raise SegmentError(
+            f"{key}.segments[{index}].start: {start} {why}: it would take effect at no block"
+        )
     return switches
+
+
+def flush_before_full_window(
+    segments: Sequence[Segment], switches: Sequence[int], window: int, key: str
+) -> list[str]:
+    """Warnings for the flushes of `segments` (their `switch_frames`) that fall before a cache
+    of `window` frames (own block included) has filled: there Infinity-RoPE's release copies
+    still-empty slots over the cached frames and the block attends to zero keys and values;
+    sinkscope's flush changes nothing."""
+    return [
+        f"{key}.segments[{index}].flush: the flush at frame {switch} comes before the "
+        f"{window}-frame window has filled; Infinity-RoPE's release would attend to zero keys "
+        "and values in place of the cached frames there, sinkscope's flush changes no key "
+        "(docs/DESIGN.md, Contract 6)"
+        for index, switch in enumerate(switches)
+        if segments[index].flush and switch < window
+    ]
 
 
 def segment_of_frame(switches: Sequence[int], frame: int) -> int:

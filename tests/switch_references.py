@@ -48,9 +48,14 @@ class Switching:
 
 
 def acting_frames(starts: list[int], frames: int, per_block: int) -> list[int]:
-    """The block start where each segment after the first acts: the first at or after it."""
-    blocks = list(range(0, frames, per_block))
-    return [min(c for c in blocks if c >= start) for start in starts[1:]]
+    """The block start where each segment after the first acts, as LongLive's loop switches:
+    at each block start c, one switch when c reaches the next segment's start."""
+    acting, pending = [], list(starts[1:])
+    for c in range(0, frames, per_block):
+        if pending and c >= pending[0]:
+            acting.append(c)
+            pending.pop(0)
+    return acting
 
 
 @dataclass

@@ -33,7 +33,7 @@ from sinkscope.workflow.entries import ConfigError
 from sinkscope.workflow.params import extraction_settings, prompt_segment_params
 
 from .conftest import make_tiny_model
-from .switch_references import Switching, reference_switching
+from .switch_references import Switching, acting_frames, reference_switching
 from .test_capture import _write_inputs
 from .test_config import checked
 from .test_position_caches import CONFIG, T, model_and_text, per_frame_rel
@@ -97,14 +97,38 @@ def test_parse_segments_refuses_what_cannot_run(entry, message):
         parse_segments(entry, "prompts.p")
 
 
-def test_check_switches_refuses_segments_past_the_video_or_sharing_a_block():
+@pytest.mark.parametrize(
+    ("starts", "acting"),
+    [
+        ([10, 11], [12, 15]),  # LongLive's own case (long-video-family.md)
+        ([10, 11, 12], [12, 15, 18]),
+        ([4, 5], [6, 9]),
+        ([3, 6], [3, 6]),
+    ],
+)
+def test_switches_in_one_block_wait_for_the_next_block_as_longlive(starts, acting):
+    """Two switch frames in one block: the later waits for the next block start, no segment is
+    lost (LongLive's loop switches at most once per block, at c >= the next switch frame)."""
+    segments = [Segment("a"), *(Segment(str(s), s) for s in starts)]
+    block_starts = list(range(0, 21, 3))
+    assert switch_frames(segments, block_starts) == acting
+    assert check_switches(segments, block_starts, 21, "prompts.p") == acting
+    assert acting_frames([0, *starts], 21, 3) == acting  # the rollout reference's rule
+
+
+def test_check_switches_refuses_segments_past_the_video_or_at_no_block():
     starts = list(range(0, 21, 3))
     with pytest.raises(SegmentError, match=r"segments\[1\]\.start: 21 is past the video's 21"):
         check_switches([Segment("a"), Segment("b", 21)], starts, 21, "prompts.p")
     with pytest.raises(SegmentError, match=r"segments\[1\]\.start: 19 is after the last block"):
         check_switches([Segment("a"), Segment("b", 19)], starts, 21, "prompts.p")
-    with pytest.raises(SegmentError, match=r"segments\[2\]\.start: 5 takes effect at frame 6"):
-        check_switches([Segment("a"), Segment("b", 4), Segment("c", 5)], starts, 21, "prompts.p")
+    late = [Segment("a"), Segment("b", 17), Segment("c", 18)]
+    with pytest.raises(
+        SegmentError,
+        match=r"segments\[2\]\.start: 18 waits for a block after segments\[1\]'s switch at "
+        r"frame 18 \(one switch per block\), and none starts after it",
+    ):
+        check_switches(late, starts, 21, "prompts.p")
     assert parse_segments("plain", "prompts.p") == [Segment("plain")]
 
 
@@ -185,6 +209,8 @@ LONGLIVE = {
     "recache no global_sink": (Switching("sink_window", 12, 3, True, False), 30, [0, 8, 22]),
     "recache full cache": (Switching("sink_window", -1, 0, True), 18, [0, 10]),
     "text switch only": (Switching("sink_window", 12, 3), 27, [0, 13]),
+    # Two switch frames in one block: the later acts a block later (12 and 15).
+    "two switches in one block": (Switching("sink_window", 12, 3, True, True), 21, [0, 10, 11]),
     "two switches past the window, no global_sink": (
         Switching("sink_window", 12, 3, True, False),
         36,
@@ -338,11 +364,11 @@ BAD_SCHEDULES = {
         ),
         r"segments\[1\]\.start: 42 is past the video's 42 latent frames",
     ),
-    "two at one block": (
+    "two at the last block": (
         lambda c: c["prompts"].update(
-            story=_story(A, {"text": "b", "start": 13}, {"text": "c", "start": 14})
+            story=_story(A, {"text": "b", "start": 17}, {"text": "c", "start": 18})
         ),
-        r"segments\[2\]\.start: 14 takes effect at frame 15, the block where segments\[1\]",
+        r"segments\[2\]\.start: 18 waits for a block after segments\[1\]'s switch at frame 18",
     ),
     "a cut in the extraction": (
         lambda c: c["prompts"].update(story=_story({**A, "cut": 45}, B)),
@@ -380,6 +406,34 @@ def test_bad_schedules_are_refused_before_any_job(name):
     change, message = BAD_SCHEDULES[name]
     with pytest.raises(ConfigError, match=message):
         checked(change)
+
+
+def test_a_flush_before_the_window_fills_is_warned_where_the_release_differs(capsys):
+    """Infinity-RoPE's cache (relative, 6 frames): a flush into the block at frame 3 comes before
+    the window has filled, where the release attends to zero keys: the check says so, naming
+    the segment; one at frame 6 passes silently."""
+
+    def scenes(first_start):
+        def change(config):
+            config["prompts"]["story"] = _story(
+                {**A, "flush": True}, {"text": "b", "start": first_start}
+            )
+            config["sampler"]["local_attn_size"] = 6  # the extraction's window too
+            config["closed_loop"].update(
+                policies=["relative"], budget=6, sink_frames=1, reference="none",
+                runs=[["demo_a", "story"]],
+            )  # fmt: skip
+
+        return change
+
+    checked(scenes(6))
+    assert "flush" not in capsys.readouterr().err
+    checked(scenes(3))
+    err = capsys.readouterr().err
+    assert (
+        "sinkscope: warning: prompts.story.segments[0].flush: the flush at frame 3 comes before "
+        "the 6-frame window has filled" in err
+    )
 
 
 def test_a_good_schedule_passes_and_plain_prompts_keep_their_params():

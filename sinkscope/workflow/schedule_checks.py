@@ -3,13 +3,22 @@ switching prompt can run, named by key. No torch."""
 
 from __future__ import annotations
 
+import sys
+
 from sinkscope.cache_choices import CUT_POLICIES, RECACHE_POLICIES
 from sinkscope.frames import block_sizes
 from sinkscope.schedules import block_starts_of
-from sinkscope.segments import Segment, SegmentError, check_switches, switch_frames
+from sinkscope.segments import (
+    Segment,
+    SegmentError,
+    check_switches,
+    flush_before_full_window,
+    switch_frames,
+)
 
 from .entries import (
     ConfigError,
+    closed_loop_policy,
     closed_loop_rollouts,
     closed_loop_runs,
     prompt_segments,
@@ -85,6 +94,14 @@ def _check_extraction(config: dict, key: str, segments: list[Segment], checkpoin
                 f"{key}.segments[{index}].flush: a flush cuts the cache to its window, and "
                 f"{where} run without one (sampler.local_attn_size: -1)"
             )
+    if sampler["local_attn_size"] != -1:
+        _warn_early_flushes(config, key, segments, frames, sampler["local_attn_size"])
+
+
+def _warn_early_flushes(config, key, segments, num_frames, window) -> None:
+    switches = switch_frames(segments, _starts(config, num_frames))
+    for warning in flush_before_full_window(segments, switches, window, key):
+        print(f"sinkscope: warning: {warning}", file=sys.stderr)
 
 
 def _check_closed_loop(config: dict, key: str, segments: list[Segment], checkpoint: str) -> None:
@@ -118,3 +135,6 @@ def _check_closed_loop(config: dict, key: str, segments: list[Segment], checkpoi
                 f"{key}.segments[{index}].flush: a flush cuts the cache to its window; the "
                 "full-cache reference has none (closed_loop.reference: none)"
             )
+    if "relative" in rollouts:  # Infinity-RoPE's cache, whose release flushes
+        window = closed_loop_policy(config, "relative")["budget"]
+        _warn_early_flushes(config, key, segments, frames, window)
