@@ -1,22 +1,28 @@
-"""LoRA adapters (`wan/lora.py`, `wan/lora_keys.py`): LongLive's PEFT files merged at load.
+"""LoRA adapters (`wan/lora.py`, `wan/lora_keys.py`): LongLive's PEFT files, run unmerged.
 
-The reference is the unmerged computation: the base model with a forward hook on every adapted
-linear that adds (alpha / r) x A^T B^T, as PEFT's LoRA layer does, on a random rank-4 adapter of
-the demo model's 10 linears per block. Malformed files are refused naming the file and the key,
-by the loader and, before any job runs, by the workflow's checks (no torch there: safetensors
-headers and torch.save pickles read for their shapes only).
+The references, on a random rank-4 adapter of the demo model's 10 linears per block: the base
+model with a forward hook on every adapted linear that adds (alpha / r) x A^T B^T; PEFT's
+`lora.Linear` written out with explicit bfloat16 roundings (base output, A x, B A x, the scale,
+the sum), which an adapted linear of a bfloat16 model matches bit for bit where the merged weight
+W + (alpha / r) B A does not; and in float32 that merged weight, computed here from the files,
+which the whole model matches to float32 rounding. Malformed files are refused naming the file
+and the key, by the loader and, before any job runs, by the workflow's checks (no torch there:
+safetensors headers and torch.save pickles read for their shapes only).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from sinkscope.extraction.sampling import Geometry, rollout
 from sinkscope.wan.checkpoint import CheckpointError, load_wan_model, save_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.demo import DEMO_MODEL
+from sinkscope.wan.layout import WEIGHTS_NAME
+from sinkscope.wan.lora import LoraLinear
 from sinkscope.wan.lora_keys import PEFT_PREFIX, lora_shapes, torch_file_shapes
 from sinkscope.wan.model import WanModel
 from sinkscope.wan.spec import CheckpointSpec
@@ -57,9 +63,9 @@ def base(tmp_path_factory):
     return folder
 
 
-def _latents(model) -> torch.Tensor:
+def _latents(model, dtype=torch.float32) -> torch.Tensor:
     text = torch.randn(1, 6, DEMO.text_dim, generator=torch.Generator().manual_seed(5))
-    return rollout(model, text, geometry=GEOMETRY, seed=1, progress=False)
+    return rollout(model, text, geometry=GEOMETRY, seed=1, dtype=dtype, progress=False)
 
 
 def _unmerged(base, lora: dict[str, torch.Tensor], alpha: float):
@@ -81,15 +87,15 @@ def _unmerged(base, lora: dict[str, torch.Tensor], alpha: float):
 
 
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_the_merged_model_is_the_unmerged_adapter(tmp_path, base, fmt):
+def test_the_loaded_adapter_is_the_hooked_adapter(tmp_path, base, fmt):
     lora = random_lora()
     path = tmp_path / f"lora.{fmt}"
     if fmt == "pt":
         torch.save({"generator_lora": lora}, path)  # LongLive's layout
     else:
         save_file(lora, str(path))
-    merged = load_wan_model(CheckpointSpec(base=str(base), lora=str(path), lora_alpha=ALPHA))
-    got, expected = _latents(merged), _latents(_unmerged(base, lora, ALPHA))
+    adapted = load_wan_model(CheckpointSpec(base=str(base), lora=str(path), lora_alpha=ALPHA))
+    got, expected = _latents(adapted), _latents(_unmerged(base, lora, ALPHA))
     plain = _latents(load_wan_model(base))
     relative = float((got - expected).norm() / expected.norm())
     assert relative < 1e-5, relative
@@ -100,11 +106,141 @@ def test_a_bare_state_dict_loads_and_alpha_scales(tmp_path, base):
     lora = random_lora(adapter_names=False)
     path = tmp_path / "bare.pt"
     torch.save(lora, path)
-    merged = load_wan_model(CheckpointSpec(base=str(base), lora=str(path), lora_alpha=2.0))
-    weight = load_wan_model(base).blocks[1].ffn[2].weight
+    adapted = load_wan_model(CheckpointSpec(base=str(base), lora=str(path), lora_alpha=2.0))
+    plain = load_wan_model(base).blocks[1].ffn[2]
     key = f"{PEFT_PREFIX}blocks.1.ffn.2.lora_{{}}.weight"
-    expected = weight + 2.0 / RANK * lora[key.format("B")] @ lora[key.format("A")]
-    torch.testing.assert_close(merged.blocks[1].ffn[2].weight, expected, rtol=0, atol=1e-6)
+    merged = plain.weight + 2.0 / RANK * lora[key.format("B")] @ lora[key.format("A")]
+    layer = adapted.blocks[1].ffn[2]
+    assert layer.scaling == 2.0 / RANK and torch.equal(layer.weight, plain.weight)
+    x = torch.randn(3, 5, DEMO.ffn_dim, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(layer(x), F.linear(x, merged, plain.bias), rtol=0, atol=1e-5)
+
+
+def _adapters(lora: dict[str, torch.Tensor]):
+    """(module, A, B) of each adapted linear of a LoRA state dict."""
+    for key, down in lora.items():
+        if ".lora_A" in key:
+            module = key.removeprefix(PEFT_PREFIX).split(".lora_A")[0]
+            yield module, down, lora[key.replace(".lora_A", ".lora_B")]
+
+
+def _peft_bfloat16(x, weight, bias, down, up, scaling):
+    """PEFT's `lora.Linear.forward` in a pipeline cast to bfloat16, every rounding written out:
+    W, b, A, B and x stored in bfloat16; the base linear, A x and B (A x) each one bfloat16
+    matmul (float32 accumulation, one rounding); then the scale and the sum, each computed in
+    float32 from bfloat16 operands and rounded back."""
+    bf16 = torch.bfloat16
+    x, weight, bias, down, up = (t.to(bf16) for t in (x, weight, bias, down, up))
+    base = F.linear(x, weight, bias)
+    low = F.linear(x, down)
+    high = F.linear(low, up)
+    scaled = (high.float() * scaling).to(bf16)
+    return (base.float() + scaled.float()).to(bf16)
+
+
+def _merged_bfloat16(x, weight, bias, down, up, scaling):
+    """The weight merged in float32, W + scaling B A, rounded to bfloat16 once."""
+    merged = (weight.float() + scaling * up.float() @ down.float()).to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), merged, bias.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("alpha", [ALPHA, 3.0], ids=["scale 2", "scale 0.75"])
+@pytest.mark.parametrize(
+    "module", ["blocks.0.self_attn.q", "blocks.1.cross_attn.v", "blocks.3.ffn.0"]
+)
+def test_in_bfloat16_an_adapted_linear_rounds_as_peft_does(tmp_path, base, module, alpha):
+    lora = random_lora()
+    path = tmp_path / "lora.pt"
+    torch.save({"generator_lora": lora}, path)
+    spec = CheckpointSpec(base=str(base), lora=str(path), lora_alpha=alpha)
+    layer = load_wan_model(spec, dtype=torch.bfloat16).get_submodule(module)
+    assert isinstance(layer, LoraLinear)
+    files = load_file(str(base / WEIGHTS_NAME))
+    named = int(module.split(".")[1]) % 2  # random_lora's odd blocks carry '.default'
+    key = f"{PEFT_PREFIX}{module}.lora_{{}}{'.default' if named else ''}"
+    weights = (
+        files[f"{module}.weight"],
+        files[f"{module}.bias"],
+        lora[key.format("A") + ".weight"],
+        lora[key.format("B") + ".weight"],
+        alpha / RANK,
+    )
+    x = torch.randn(2, 37, layer.in_features, generator=torch.Generator().manual_seed(4))
+    got = layer(x.bfloat16())
+    expected = _peft_bfloat16(x, *weights)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    merged = _merged_bfloat16(x, *weights)
+    differ = float((merged != expected).float().mean())
+    largest = float((merged.float() - expected.float()).abs().max() / expected.float().abs().max())
+    print(f"{module} alpha {alpha}: merged differs in {differ:.0%}, by up to {largest:.1e}")
+    assert differ > 0.05 and largest > 1e-3  # the merged weight is not what the release runs
+
+
+def _hooked_bfloat16(base, lora: dict[str, torch.Tensor], alpha: float):
+    """The bfloat16 base model with PEFT's adapter (`_peft_bfloat16`'s roundings) added to each
+    adapted linear's output by a forward hook."""
+    model = load_wan_model(base, dtype=torch.bfloat16)
+    modules = dict(model.named_modules())
+    for module, down, up in _adapters(lora):
+        down, up, scale = down.bfloat16(), up.bfloat16(), alpha / down.shape[0]
+
+        def hook(_module, inputs, output, down=down, up=up, scale=scale):
+            high = F.linear(F.linear(inputs[0], down), up)
+            return (output.float() + (high.float() * scale).bfloat16().float()).bfloat16()
+
+        modules[module].register_forward_hook(hook)
+    return model
+
+
+def _merged(base, lora: dict[str, torch.Tensor], alpha: float, dtype=torch.float32):
+    """The base model with W + (alpha / r) B A in every adapted linear, from the files, merged
+    in float32 and then cast to `dtype` (what sinkscope's loader did before)."""
+    model = load_wan_model(base)
+    for module, down, up in _adapters(lora):
+        model.get_submodule(module).weight.add_(alpha / down.shape[0] * up @ down)
+    return model.to(dtype)
+
+
+def test_the_whole_model_runs_the_adapter_as_the_release_does(tmp_path, base):
+    """In float32 the unmerged adapter is the merged weight to float32 rounding; in bfloat16 the
+    whole rollout is PEFT's bit for bit, and the merged weight's is not."""
+    lora = random_lora()
+    path = tmp_path / "lora.pt"
+    torch.save({"generator_lora": lora}, path)
+    spec = CheckpointSpec(base=str(base), lora=str(path), lora_alpha=ALPHA)
+    got, merged = _latents(load_wan_model(spec)), _latents(_merged(base, lora, ALPHA))
+    float32 = float((got - merged).norm() / merged.norm())
+    assert float32 < 1e-5, float32
+    bf16 = torch.bfloat16
+    got = _latents(load_wan_model(spec, dtype=bf16), bf16)
+    assert torch.equal(got, _latents(_hooked_bfloat16(base, lora, ALPHA), bf16))
+    merged = _latents(_merged(base, lora, ALPHA, bf16), bf16)
+    relative = float((got - merged).norm() / merged.norm())
+    print(f"merged vs unmerged latents, relative: float32 {float32:.1e}, bfloat16 {relative:.1e}")
+    assert relative > 1e-4, relative
+
+
+def test_the_adapted_model_keeps_the_base_names_and_is_not_saved(tmp_path, base):
+    path = tmp_path / "lora.safetensors"
+    save_file(random_lora(), str(path))
+    spec = CheckpointSpec(base=str(base), lora=str(path), lora_alpha=ALPHA)
+    model = load_wan_model(spec, dtype=torch.bfloat16)
+    adapters = {
+        f"blocks.{block}.{linear}.lora_{half}.weight"
+        for block in range(DEMO.num_layers)
+        for linear in LINEARS
+        for half in "AB"
+    }
+    state = model.state_dict()
+    assert set(state) == set(load_wan_model(base).state_dict()) | adapters
+    assert {value.dtype for value in state.values()} == {torch.bfloat16}  # cast like the rest
+    assert state["blocks.0.self_attn.q.lora_A.weight"].shape == (RANK, DEMO.dim)
+    weight = model.blocks[0].self_attn.q.weight
+    assert weight.data_ptr() == state["blocks.0.self_attn.q.weight"].data_ptr()
+    out = tmp_path / "saved"
+    with pytest.raises(CheckpointError, match=r"carries a LoRA on 40 linears \('blocks\.0\."):
+        save_wan_model(model, out)
+    assert not out.exists()
 
 
 def _broken(kind: str) -> tuple[dict, str]:

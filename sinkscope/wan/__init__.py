@@ -1,7 +1,7 @@
 """The Wan2.1 T2V DiT and its text encoder, as the checkpoints researchers have define them.
 
 Torch: `model.py` (the DiT with its block-causal KV cache), `rope.py`, `checkpoint.py` (loading
-and saving weights), `lora.py` (LoRA adapters merged at load), `text.py` (UMT5 prompt encoding),
+and saving weights), `lora.py` (LoRA adapters, run unmerged), `text.py` (UMT5 prompt encoding),
 `precision.py` (the `dtype` setting). Torch-free, so Snakemake can read them while parsing:
 `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
 (`CheckpointSpec`), `lora_keys.py` (a LoRA file's keys and shapes, what is refused) and `demo.py`

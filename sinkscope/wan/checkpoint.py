@@ -6,7 +6,8 @@
   with keys prefixed `model.`, layered over a base folder that supplies the config. Rolling
   Forcing's and Causal Forcing's keys may also carry FSDP's `_fsdp_wrapped_module.` (once per
   wrapped module, anywhere in the key), which their loaders remove, as `read_generator` does.
-- LongLive: such weights with a LoRA file merged into them at load (`lora.py`).
+- LongLive: such weights with a LoRA file beside them, run unmerged as LongLive's PEFT adapters
+  run (`lora.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .layout import (
     read_model_config,
     weight_files,
 )
-from .lora import merge_lora
+from .lora import LoraLinear, attach_lora
 from .model import WanModel
 from .spec import CheckpointSpec
 
@@ -186,8 +187,8 @@ def load_wan_model(
     `spec.base`: a Wan or diffusers folder (see `layout.py`); a plain path means just that folder.
     With `spec.generator`, the `.pt` file's DiT (`generator_ema` if `spec.ema`) replaces the base
     weights (it must be complete); the folder then only supplies the config. With `spec.lora`,
-    that LoRA is merged into the weights (`lora.merge_lora`, in float32) before the cast to
-    `dtype`.
+    the linears that LoRA adapts become `lora.LoraLinear`s, run unmerged as LongLive runs them,
+    its A and B cast to `dtype` like every other parameter.
     """
     if not isinstance(spec, CheckpointSpec):
         spec = CheckpointSpec(base=str(spec))
@@ -206,14 +207,22 @@ def load_wan_model(
         source = str(spec.base)
     _check_keys(model, state, source)
     if spec.lora is not None:
-        state = merge_lora(state, spec.lora, spec.lora_alpha, cfg.linear_shapes())
+        state = {**state, **attach_lora(model, spec.lora, spec.lora_alpha)}
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 
 def save_wan_model(model: WanModel, out_dir: str | Path) -> None:
-    """Write `config.json` + `diffusion_pytorch_model.safetensors` in Wan's original layout."""
+    """Write `config.json` + `diffusion_pytorch_model.safetensors` in Wan's original layout,
+    which has no place for a LoRA: a model carrying one is refused (its base and its LoRA file
+    are what load it)."""
+    adapted = [name for name, module in model.named_modules() if isinstance(module, LoraLinear)]
+    if adapted:
+        raise CheckpointError(
+            f"the model carries a LoRA on {len(adapted)} linears ('{adapted[0]}' ...): Wan's "
+            "layout has no place for it; keep its base and its LoRA file instead"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

@@ -22,7 +22,7 @@ class CheckpointSpec:
     """base: a Wan or diffusers folder (config.json, and the weights unless `generator` is set);
     generator: a Self-Forcing / CausVid `.pt` whose DiT replaces the base weights;
     ema: take its `generator_ema` (True) or `generator` (False) entry;
-    lora: a LoRA file (LongLive's PEFT keys, `lora.py`) merged into those weights at load, with
+    lora: a LoRA file (LongLive's PEFT keys, `lora.py`) run unmerged beside those weights, with
     lora_alpha: its alpha (scale alpha / rank; the files do not carry it)."""
 
     base: str
