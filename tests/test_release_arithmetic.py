@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sinkscope.cache_choices import ParticipativeChoice
 from sinkscope.extraction.cache_policies import CachePolicy
+from sinkscope.extraction.caches import ParticipativeKVCache
 from sinkscope.extraction.capture import LogitCapture
 from sinkscope.extraction.sampling import (
     CAUSVID,
@@ -284,3 +286,40 @@ def test_rope_tables_are_wans_bit_for_bit(head_dim):
         exponents = torch.arange(0, dims[0], 2, dtype=torch.float64) / dims[0]
         old = torch.outer(torch.arange(1024, dtype=torch.float64), 10000.0**-exponents)
         assert not torch.equal(torch.polar(torch.ones_like(old), old), ours[0][:1024])
+
+
+def test_participative_scores_are_deep_forcings_arithmetic():
+    """Participative Compression's score of a bfloat16 cache is Deep Forcing's
+    (`causal_model.py`: the buffered queries summed in bfloat16, `torch.bmm` of that sum with
+    the flattened keys, rounded to bfloat16, then float32), bit for bit, with its many exact
+    ties; the float64 score sinkscope had ranks differently."""
+    t, heads, head_dim, block = 6, 2, 16, 2
+    choice = ParticipativeChoice(
+        frame_seq_length=t, capacity=6, budget=4, sink_frames=1, recent_frames=1,
+        frames_per_block=block, reuse_cap=0,
+    )  # fmt: skip
+    cache = ParticipativeKVCache(
+        choice, num_frames=8, num_heads=heads, head_dim=head_dim, device=torch.device("cpu"),
+        dtype=BF16,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randn(heads, head_dim, generator=g)  # a common direction: scores cluster
+    for b in range(3):
+        for _ in range(2):
+            q = (shared + 0.3 * torch.randn(1, block * t, heads, head_dim, generator=g)).to(BF16)
+            k = (shared + 0.3 * torch.randn(1, block * t, heads, head_dim, generator=g)).to(BF16)
+            cache.update(k, k, b * block * t, q=q, k_raw=k)
+    count = choice.buffered_queries()
+    recent_q = cache.queries[:, -count:]
+    q_sum_flat = recent_q.reshape(1, count, -1).sum(dim=1, keepdim=True)
+    k_trans = cache.k[:, : cache.held].reshape(1, cache.held, -1).transpose(1, 2)
+    expected = torch.bmm(q_sum_flat, k_trans).squeeze(1).to(torch.float32)[0]
+    got = cache.scores()
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    assert len(torch.unique(got)) < len(got)  # bfloat16 ties, as in the release
+    exact = torch.einsum(
+        "hd,mhd->m", recent_q[0].double().sum(0), cache.k[0, : cache.held].double()
+    )
+    assert not torch.equal(
+        torch.argsort(exact, stable=True), torch.argsort(got.double(), stable=True)
+    )
