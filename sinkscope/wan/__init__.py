@@ -2,7 +2,9 @@
 
 Torch: `model.py` (the DiT with its block-causal KV cache), `rope.py`, `checkpoint.py` (loading
 and saving weights), `lora.py` (LoRA adapters, run unmerged), `text.py` (UMT5 prompt encoding),
-`precision.py` (the `dtype` setting). Torch-free, so Snakemake can read them while parsing:
+`precision.py` (the `dtype` setting), `vae.py` (Wan2.1's VAE through diffusers'
+`AutoencoderKLWan`: both file layouts, streaming decode to uint8 frames, encode; not yet used by
+a rule). Torch-free, so Snakemake can read them while parsing:
 `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
 (`CheckpointSpec`), `lora_keys.py` (a LoRA file's keys and shapes, what is refused) and `demo.py`
 (the demo model's size; torch only to make one).

@@ -1,0 +1,456 @@
+"""Wan2.1's VAE, from the files users have, decoded as the long-video family decodes it.
+
+The network is diffusers' `AutoencoderKLWan` (the same network as Wan's original `WanVAE_`:
+decode and encode agree to 0.0 on tiny random weights). Two layouts load:
+
+- Wan's original `Wan2.1_VAE.pth`: a `torch.save` state dict with the original 194 keys, read
+  with `weights_only=True`; its keys are renamed by diffusers' own
+  `convert_wan_vae_to_diffusers`. The config is Wan2.1's (`WAN21_VAE_CONFIG`, z_dim 16). A
+  `.safetensors` file in either key layout (ComfyUI ships the original one) loads the same way.
+- diffusers' `vae/` folder: `config.json` + `diffusion_pytorch_model.safetensors` (or the
+  pipeline folder holding `vae/`).
+
+Keys are checked here, strictly (diffusers' `from_single_file` loads a file missing keys without
+a word): missing, unexpected or wrong-shaped keys, a z_dim other than 16, pickled code and a
+missing file raise `CheckpointError` naming the file.
+
+Latents are sinkscope's [C, F, H, W] float32, normalised as the DiT sees them. The family
+(Self-Forcing's `WanVAEWrapper`, used by every system built on it) de-normalises with
+`z / (1 / std) + mean` (the original computes `z / scale[1] + scale[0]` with
+scale = [mean, 1 / std]; `z * std + mean` is 4e-6 off), decodes, takes `.float().clamp(-1, 1)`,
+maps `(x * 0.5 + 0.5).clamp(0, 1)`, multiplies by 255 and writes with torchvision's
+`write_video`, whose `torch.as_tensor(video, dtype=torch.uint8)` casts by truncation toward zero
+(floor, the values being in [0, 255]): 127.5 -> 127, 254.99 -> 254, only 1.0 -> 255. The frames
+here are those bytes. F latent frames decode to 4F - 3 pixel frames; T pixel frames encode to
+1 + (T - 1) // 4 latent frames (frames past the last whole group of 4 are dropped, as there).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sinkscope.storage import atomic_path
+
+from .checkpoint import load_pickled, read_safetensors
+from .layout import CONFIG_NAME, CheckpointError, weight_files
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan
+
+__all__ = [
+    "WAN21_VAE_CONFIG",
+    "WAN_VAE_MEAN",
+    "WAN_VAE_STD",
+    "CheckpointError",
+    "decode_latents",
+    "diffusers_to_original_key",
+    "encode_frames",
+    "frames_to_uint8",
+    "iter_decoded_frames",
+    "iter_decoded_pixels",
+    "load_wan_vae",
+    "random_vae",
+    "save_original_layout",
+    "tiny_vae_config",
+]
+
+# Per latent channel, Wan2.1's (Self-Forcing utils/wan_wrapper.py, diffusers' latents_mean/std).
+WAN_VAE_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+WAN_VAE_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+Z_DIM = len(WAN_VAE_MEAN)
+
+# Wan2.1's VAE (the diffusers repo's vae/config.json; AutoencoderKLWan's defaults).
+WAN21_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 96,
+    "z_dim": Z_DIM,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+}
+DIFFUSERS_CLASS = "AutoencoderKLWan"
+VAE_FOLDER = "vae"  # a diffusers pipeline folder's
+
+
+@functools.cache
+def _diffusers():
+    """diffusers' class and key converter, imported on first use (3-5 s, so not at import)."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        AutoencoderKLWan,
+        WanCausalConv3d,
+    )
+
+    return AutoencoderKLWan, WanCausalConv3d, convert_wan_vae_to_diffusers
+
+
+# --- the original key layout ------------------------------------------------------------------
+
+# A residual block's parameter: diffusers' name -> the original's (`residual` is a Sequential:
+# 0 norm, 1 SiLU, 2 conv, 3 norm, 4 SiLU, 5 dropout, 6 conv).
+_RESNET_PARTS = (
+    ("norm1.", "residual.0."),
+    ("conv1.", "residual.2."),
+    ("norm2.", "residual.3."),
+    ("conv2.", "residual.6."),
+    ("conv_shortcut.", "shortcut."),
+)
+_TOP_PARTS = (
+    ("quant_conv.", "conv1."),
+    ("post_quant_conv.", "conv2."),
+    ("encoder.conv_in.", "encoder.conv1."),
+    ("decoder.conv_in.", "decoder.conv1."),
+    ("encoder.norm_out.", "encoder.head.0."),
+    ("decoder.norm_out.", "decoder.head.0."),
+    ("encoder.conv_out.", "encoder.head.2."),
+    ("decoder.conv_out.", "decoder.head.2."),
+    ("encoder.mid_block.attentions.0.", "encoder.middle.1."),
+    ("decoder.mid_block.attentions.0.", "decoder.middle.1."),
+)
+
+
+def _resnet_part(rest: str) -> str:
+    for new, old in _RESNET_PARTS:
+        if rest.startswith(new):
+            return old + rest[len(new) :]
+    return rest  # a resample's own names (resample.1., time_conv.) are the same in both
+
+
+def diffusers_to_original_key(key: str) -> str:
+    """The original Wan name of an `AutoencoderKLWan` parameter (Wan2.1's block structure:
+    dim_mult of 4 levels, 2 residual blocks each, as `convert_wan_vae_to_diffusers` assumes):
+    the inverse of that converter, which tests/test_vae.py checks key by key."""
+    for new, old in _TOP_PARTS:
+        if key.startswith(new):
+            return old + key[len(new) :]
+    parts = key.split(".")
+    if parts[1] == "mid_block" and parts[2] == "resnets":  # resnets 0, 1 -> middle 0, 2
+        rest = ".".join(parts[4:])
+        return f"{parts[0]}.middle.{2 * int(parts[3])}.{_resnet_part(rest)}"
+    if parts[0] == "encoder" and parts[1] == "down_blocks":  # the same flat list
+        return f"encoder.downsamples.{parts[2]}.{_resnet_part('.'.join(parts[3:]))}"
+    if parts[0] == "decoder" and parts[1] == "up_blocks":
+        # up_blocks.B.resnets.R -> upsamples.(4B + R); up_blocks.B.upsamplers.0 -> 4B + 3
+        block = int(parts[2])
+        if parts[3] == "resnets":
+            index, rest = 4 * block + int(parts[4]), _resnet_part(".".join(parts[5:]))
+        else:
+            index, rest = 4 * block + 3, ".".join(parts[5:])
+        return f"decoder.upsamples.{index}.{rest}"
+    return key
+
+
+def save_original_layout(vae: AutoencoderKLWan, path: str | Path) -> Path:
+    """Write the VAE's weights as Wan's `Wan2.1_VAE.pth` holds them (a torch.save state dict
+    with the original names), atomically."""
+    state = {
+        diffusers_to_original_key(k): v.detach().cpu().contiguous()
+        for k, v in vae.state_dict().items()
+    }
+    path = Path(path)
+    with atomic_path(path) as temporary:
+        torch.save(state, temporary)
+    return path
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def _check_config(values: Mapping[str, Any], source: str) -> None:
+    """Wan2.1's VAE only: z_dim 16 and its latent statistics (the normalisation uses them)."""
+    z_dim = values.get("z_dim", Z_DIM)
+    if z_dim != Z_DIM:
+        raise CheckpointError(
+            f"{source}: a VAE with z_dim {z_dim}; Wan2.1's has z_dim {Z_DIM} (the DiT's latent "
+            "channels)"
+        )
+    if values.get("patch_size") is not None or values.get("is_residual", False):
+        raise CheckpointError(
+            f"{source}: patch_size={values.get('patch_size')}, "
+            f"is_residual={values.get('is_residual')}: not Wan2.1's VAE (Wan2.2's?)"
+        )
+    for name, expected in (("latents_mean", WAN_VAE_MEAN), ("latents_std", WAN_VAE_STD)):
+        found = values.get(name)
+        if found is not None and [float(v) for v in found] != list(expected):
+            raise CheckpointError(f"{source}: {name} {list(found)} are not Wan2.1's")
+
+
+def _build(values: Mapping[str, Any]) -> AutoencoderKLWan:
+    autoencoder, _, _ = _diffusers()
+    config = {k: v for k, v in values.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        return autoencoder.from_config(config)
+
+
+def _listed(keys: list[str], limit: int = 8) -> str:
+    return f"{keys[:limit]}{' ...' if len(keys) > limit else ''} ({len(keys)})"
+
+
+def _to_model_keys(
+    state: dict[str, torch.Tensor], source: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The file's tensors under diffusers' names (diffusers' converter renames the original's and
+    leaves diffusers' as they are), and model name -> the file's name, for the messages."""
+    _, _, convert = _diffusers()
+    converted: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
+    for key, value in state.items():
+        (new,) = convert({key: value})
+        if new in converted:
+            raise CheckpointError(
+                f"{source}: '{names[new]}' and '{key}' are both the VAE's '{new}' (a file "
+                "mixing the original and diffusers key layouts)"
+            )
+        converted[new], names[new] = value, key
+    return converted, names
+
+
+def _check_keys(
+    vae: AutoencoderKLWan,
+    state: dict[str, torch.Tensor],
+    names: dict[str, str],
+    source: str,
+    original: bool,
+) -> None:
+    expected = vae.state_dict()
+    z_weight = state.get("post_quant_conv.weight")
+    if z_weight is not None and z_weight.ndim >= 1 and z_weight.shape[0] != vae.config.z_dim:
+        raise CheckpointError(
+            f"{source}: weights of a VAE with z_dim {z_weight.shape[0]} "
+            f"('{names['post_quant_conv.weight']}' {list(z_weight.shape)}); expected z_dim "
+            f"{vae.config.z_dim} (Wan2.1's)"
+        )
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(names[k] for k in set(state) - set(expected))
+    if missing or unexpected:
+        if original:
+            missing = sorted(diffusers_to_original_key(k) for k in missing)
+        raise CheckpointError(
+            f"{source}: keys do not match Wan2.1's VAE: missing {_listed(missing)}, "
+            f"unexpected {_listed(unexpected)}"
+        )
+    wrong = [
+        f"{names[k]}: file {list(state[k].shape)} vs model {list(v.shape)}"
+        for k, v in expected.items()
+        if tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if wrong:
+        raise CheckpointError(f"{source}: wrong shapes: {_listed(wrong, 4)}")
+
+
+def _read_file(path: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"VAE weights not found: {path}")
+    if path.suffix == ".safetensors":
+        return read_safetensors(path, device)
+    state = load_pickled(path)  # weights_only=True: pickled code is refused, the file named
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        what = type(state).__name__
+        raise CheckpointError(
+            f"{path}: a {what}, not a state dict of tensors (parameter name -> tensor) as "
+            "Wan2.1_VAE.pth holds"
+        )
+    return state
+
+
+def _folder(path: Path) -> Path:
+    """The folder with the VAE's config.json: `path`, or `path/vae` of a pipeline."""
+    if not (path / CONFIG_NAME).is_file() and (path / VAE_FOLDER / CONFIG_NAME).is_file():
+        return path / VAE_FOLDER
+    return path
+
+
+def load_wan_vae(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    config: Mapping[str, Any] | None = None,
+) -> AutoencoderKLWan:
+    """Wan2.1's VAE as diffusers' `AutoencoderKLWan`, weights loaded onto `device` in `dtype`,
+    in eval mode without gradients.
+
+    `path`: Wan's original `Wan2.1_VAE.pth` (or a `.safetensors` file in either key layout),
+    built with `config` (`WAN21_VAE_CONFIG` when None; tests pass a tiny one); or a diffusers
+    `vae/` folder (or the pipeline folder holding it), built from its `config.json`. Every key
+    of the network must be in the file with its shape, and no other: `CheckpointError` names
+    the file and the first keys otherwise.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if config is not None:
+            raise ValueError(f"{path}: a diffusers folder brings its own {CONFIG_NAME}")
+        folder = _folder(path)
+        config_file = folder / CONFIG_NAME
+        try:
+            values = json.loads(config_file.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"VAE config not found: {config_file}") from None
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_file}: not valid JSON ({err})") from None
+        if values.get("_class_name", DIFFUSERS_CLASS) != DIFFUSERS_CLASS:
+            raise CheckpointError(
+                f"{config_file}: a {values['_class_name']}, not diffusers' {DIFFUSERS_CLASS}"
+            )
+        _check_config(values, str(config_file))
+        files = weight_files(folder)
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(_read_file(file, device))
+        source = str(files[0]) if len(files) == 1 else str(folder)
+    else:
+        values = dict(WAN21_VAE_CONFIG if config is None else config)
+        _check_config(values, f"{path} (config)")
+        state = _read_file(path, device)
+        source = str(path)
+    vae = _build(values)
+    state, names = _to_model_keys(state, source)
+    original = any(name != key for key, name in names.items())
+    _check_keys(vae, state, names, source, original)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    vae.load_state_dict(state, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
+
+
+# --- decoding and encoding --------------------------------------------------------------------
+
+
+def _statistics(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (Z_DIM, 1, 1, 1)
+    mean = torch.tensor(WAN_VAE_MEAN, dtype=torch.float32, device=device).view(shape)
+    std = torch.tensor(WAN_VAE_STD, dtype=torch.float32, device=device).view(shape)
+    return mean, std
+
+
+def _denormalised(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """[C, F, H, W] normalised latents -> the decoder's input [1, C, F, H, W] in its dtype:
+    `z / (1 / std) + mean` in float32, the form bit-equal to the original's."""
+    if latents.ndim != 4 or latents.shape[0] != Z_DIM:
+        raise ValueError(f"latents must be [C={Z_DIM}, F, H, W], got {list(latents.shape)}")
+    z = latents.to(device=vae.device, dtype=torch.float32)
+    mean, std = _statistics(z.device)
+    return (z / (1 / std) + mean).to(vae.dtype).unsqueeze(0)
+
+
+def frames_to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels [1, 3, T, H, W] (any float dtype, about [-1, 1]) -> uint8 frames
+    [T, H, W, 3] on the CPU, as the family writes them: `.float().clamp(-1, 1)`,
+    `(x * 0.5 + 0.5).clamp(0, 1)`, times 255, then truncated toward zero (torchvision's
+    `write_video` casts with `torch.as_tensor(..., dtype=torch.uint8)`)."""
+    x = pixels.float().clamp(-1, 1)
+    x = (x * 0.5 + 0.5).clamp(0, 1)
+    return (255.0 * x)[0].permute(1, 2, 3, 0).to(torch.uint8).cpu()
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents [C, F, H, W] -> uint8 frames [4F - 3, 8H, 8W, 3] on the CPU, the
+    whole video at once through diffusers' `decode` (see `iter_decoded_frames` for any length)."""
+    pixels = vae.decode(_denormalised(vae, latents)).sample
+    return frames_to_uint8(pixels)
+
+
+def _decoder_convs(vae: AutoencoderKLWan) -> int:
+    _, causal_conv, _ = _diffusers()
+    return sum(isinstance(m, causal_conv) for m in vae.decoder.modules())
+
+
+@torch.no_grad()
+def iter_decoded_pixels(
+    vae: AutoencoderKLWan, latents: torch.Tensor, chunk: int = 1
+) -> Iterator[torch.Tensor]:
+    """Decoded pixels [1, 3, t, 8H, 8W] in the VAE's dtype, clamped to [-1, 1], `chunk` latent
+    frames at a time (t = 1 + 4 (chunk - 1) for the first, 4 chunk after).
+
+    diffusers' `decode` clears its feature cache at its start and end, so it cannot be driven a
+    chunk at a time. This runs its loop (`AutoencoderKLWan._decode`) with a cache of its own:
+    `post_quant_conv` on the whole latents, then `decoder(frame, feat_cache, feat_idx=[0],
+    first_chunk=i == 0)` one latent frame at a time, so the pixels are bit-equal to `decode`'s.
+    Memory: the latents, 2 frames of features per causal conv and one chunk of pixels. Spatial
+    tiling (`enable_tiling`) is not used here.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if vae.config.patch_size is not None:
+        raise ValueError("a VAE with patch_size (Wan2.2's) is not Wan2.1's")
+    x = vae.post_quant_conv(_denormalised(vae, latents))
+    feat_cache: list = [None] * _decoder_convs(vae)
+    pending = []
+    for i in range(x.shape[2]):
+        frame = x[:, :, i : i + 1]
+        out = vae.decoder(frame, feat_cache=feat_cache, feat_idx=[0], first_chunk=i == 0)
+        pending.append(out.clamp(-1.0, 1.0))
+        if len(pending) == chunk or i == x.shape[2] - 1:
+            yield torch.cat(pending, 2)
+            pending = []
+
+
+def iter_decoded_frames(
+    vae: AutoencoderKLWan, latents: torch.Tensor, chunk: int = 1
+) -> Iterator[torch.Tensor]:
+    """uint8 frames [t, 8H, 8W, 3] on the CPU as they are decoded, `chunk` latent frames at a
+    time (1 pixel frame for the first latent frame, 4 for each after), equal to
+    `decode_latents` in all; memory stays bounded for any length."""
+    for pixels in iter_decoded_pixels(vae, latents, chunk):
+        yield frames_to_uint8(pixels)
+
+
+@torch.no_grad()
+def encode_frames(vae: AutoencoderKLWan, frames: torch.Tensor) -> torch.Tensor:
+    """uint8 frames [T, H, W, 3] (H, W multiples of 8) -> normalised float32 latents
+    [C, 1 + (T - 1) // 4, H / 8, W / 8] on the VAE's device: pixels x / 255 * 2 - 1, the
+    posterior mean mu, then `(mu - mean) * (1 / std)`, the original's form of (mu - mean) / std."""
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+    height, width = frames.shape[1:3]
+    if height % 8 or width % 8:
+        raise ValueError(f"frames of {height}x{width}: height and width must be multiples of 8")
+    x = frames.to(device=vae.device).permute(3, 0, 1, 2).unsqueeze(0).float()
+    x = (x / 255.0 * 2 - 1).to(vae.dtype)
+    mu = vae.encode(x).latent_dist.mean[0].float()
+    mean, std = _statistics(mu.device)
+    return (mu - mean) * (1 / std)
+
+
+# --- tiny VAEs for tests ----------------------------------------------------------------------
+
+
+def tiny_vae_config(base_dim: int = 2) -> dict[str, Any]:
+    """Wan2.1's VAE structure (z_dim 16, 4 levels of 2 residual blocks: the original key
+    layout) at `base_dim` channels instead of 96: 68k parameters at 2."""
+    return {**WAN21_VAE_CONFIG, "base_dim": base_dim}
+
+
+def random_vae(config: Mapping[str, Any] | None = None, seed: int = 0) -> AutoencoderKLWan:
+    """An `AutoencoderKLWan` of `config` (`tiny_vae_config()` when None) with every parameter
+    random and distinct (norm gains 1 + noise, biases noise), float32, eval mode."""
+    autoencoder, _, _ = _diffusers()
+    generator = torch.Generator().manual_seed(seed)
+    vae = autoencoder.from_config(dict(tiny_vae_config() if config is None else config))
+    with torch.no_grad():
+        for name, param in vae.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("gamma"):
+                param.copy_(1 + 0.2 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            else:
+                fan_in = math.prod(param.shape[1:])
+                param.copy_(noise / math.sqrt(fan_in))
+    return vae.eval().requires_grad_(False)
