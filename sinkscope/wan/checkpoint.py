@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,23 +158,34 @@ def read_generator(path: str | Path, ema: bool = True) -> dict[str, torch.Tensor
     return cleaned
 
 
-def _check_keys(model: WanModel, state: dict[str, torch.Tensor], source: str) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def _listed(items: list[str], limit: int = 10) -> str:
+    return f"{items[:limit]}{' ...' if len(items) > limit else ''}"
+
+
+def check_state_keys(
+    expected: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor],
+    source: str,
+    what: str,
+    file_key: Callable[[str], str] = str,
+) -> None:
+    """Refuse a state dict (from the file `source`) whose keys or shapes are not `expected`'s
+    (a model's state dict; `what` it is), naming the first keys as the file names them
+    (`file_key` of a model key)."""
+    missing = sorted(file_key(k) for k in set(expected) - set(state))
+    unexpected = sorted(file_key(k) for k in set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
-            f"{source}: keys do not match the Wan DiT: missing {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}"
+            f"{source}: keys do not match {what}: missing {_listed(missing)}, "
+            f"unexpected {_listed(unexpected)}"
         )
     wrong = [
-        f"{k}: file {list(state[k].shape)} vs model {list(v.shape)}"
+        f"{file_key(k)}: file {list(state[k].shape)} vs model {list(v.shape)}"
         for k, v in expected.items()
         if tuple(state[k].shape) != tuple(v.shape)
     ]
     if wrong:
-        raise CheckpointError(f"{source}: wrong shapes: {wrong[:10]}")
+        raise CheckpointError(f"{source}: wrong shapes: {_listed(wrong)}")
 
 
 def load_wan_model(
@@ -205,7 +217,7 @@ def load_wan_model(
         if is_diffusers(read_config_json(spec.base)):
             state = {diffusers_to_wan_key(k): v for k, v in state.items()}
         source = str(spec.base)
-    _check_keys(model, state, source)
+    check_state_keys(model.state_dict(), state, source, "the Wan DiT")
     if spec.lora is not None:
         state = {**state, **attach_lora(model, spec.lora, spec.lora_alpha)}
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}

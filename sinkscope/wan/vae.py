@@ -38,7 +38,7 @@ import torch
 
 from sinkscope.storage import atomic_path
 
-from .checkpoint import load_pickled, read_safetensors
+from .checkpoint import check_state_keys, load_pickled, read_safetensors
 from .layout import CONFIG_NAME, CheckpointError, weight_files
 
 if TYPE_CHECKING:
@@ -196,10 +196,6 @@ def _build(values: Mapping[str, Any]) -> AutoencoderKLWan:
         return autoencoder.from_config(config)
 
 
-def _listed(keys: list[str], limit: int = 8) -> str:
-    return f"{keys[:limit]}{' ...' if len(keys) > limit else ''} ({len(keys)})"
-
-
 def _to_model_keys(
     state: dict[str, torch.Tensor], source: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -234,22 +230,13 @@ def _check_keys(
             f"('{names['post_quant_conv.weight']}' {list(z_weight.shape)}); expected z_dim "
             f"{vae.config.z_dim} (Wan2.1's)"
         )
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(names[k] for k in set(state) - set(expected))
-    if missing or unexpected:
-        if original:
-            missing = sorted(diffusers_to_original_key(k) for k in missing)
-        raise CheckpointError(
-            f"{source}: keys do not match Wan2.1's VAE: missing {_listed(missing)}, "
-            f"unexpected {_listed(unexpected)}"
-        )
-    wrong = [
-        f"{names[k]}: file {list(state[k].shape)} vs model {list(v.shape)}"
-        for k, v in expected.items()
-        if tuple(state[k].shape) != tuple(v.shape)
-    ]
-    if wrong:
-        raise CheckpointError(f"{source}: wrong shapes: {_listed(wrong, 4)}")
+
+    def file_key(key: str) -> str:  # as the file names it (a missing key: in its layout)
+        if key in names:
+            return names[key]
+        return diffusers_to_original_key(key) if original else key
+
+    check_state_keys(expected, state, source, "Wan2.1's VAE", file_key)
 
 
 def _read_file(path: Path, device: torch.device | str) -> dict[str, torch.Tensor]:
