@@ -214,6 +214,18 @@ def test_schema_refuses(change, message):
             "sampler.first_block_steps: the rolling sampler gives every block the same steps",
         ),
         (
+            # Causal Forcing++'s 1-step model: its first block's 4 steps fill passes 0-3, the
+            # other blocks run pass 0 and the cache pass 4 only.
+            lambda c: (
+                c["sampler"].update(steps=[1000], first_block_steps=[1000, 750, 500, 250])
+                or c["figures"].update(step=2)
+            ),
+            "figures.step=2 is pass 2, which under checkpoint 'demo_a' only the first block runs "
+            "(sampler.first_block_steps: 4 denoising steps; every other block runs sampler.steps: "
+            "1, passes [0] and the cache pass 4): its figures would be empty; choose figures.step "
+            "from [0, 4]",
+        ),
+        (
             lambda c: (
                 c["sampler"].update(kind="rolling", steps=[1000, 900, 800, 600, 400, 200, 100])
                 or c["closed_loop"].update(policies=[])
@@ -279,6 +291,7 @@ def test_schema_refuses(change, message):
         "rolling-with-a-window",
         "rolling-blocks-split-its-cache",
         "rolling-first-block-steps",
+        "figure-step-only-the-first-block-runs",
         "rolling-window-beyond-its-cache",
         "rolling-closed-loop-policies",
         "rolling-closed-loop-budget",

@@ -436,6 +436,23 @@ def test_a_flush_before_the_window_fills_is_warned_where_the_release_differs(cap
     )
 
 
+def test_a_segment_repeating_an_earlier_text_is_warned_naming_both(capsys):
+    """The same text in two segments: the switch changes no prompt, yet the recache runs and
+    switches.csv records it; the check names both segments (and stays silent otherwise)."""
+    checked(_recache(["window"]))
+    assert "has the text of" not in capsys.readouterr().err
+
+    def repeated(config):
+        _recache(["window"])(config)
+        config["prompts"]["story"] = _story(A, B, {"text": "an  eagle", "start": 18})
+
+    checked(repeated)
+    assert (
+        "sinkscope: warning: prompts.story.segments[2] has the text of prompts.story.segments[0]"
+        in capsys.readouterr().err
+    )
+
+
 def test_a_good_schedule_passes_and_plain_prompts_keep_their_params():
     config = checked(_recache(["window", "sink_window"]))
     assert prompt_segment_params(config, "story")[1] == {

@@ -233,6 +233,7 @@ def check_config(config: dict) -> None:
             f"figures.step={config['figures']['step']} but only {len(_capture_passes(config))} "
             "passes are captured (capture.passes)"
         )
+    _check_figure_step_runs_in_every_block(config)
     # Before the closed loop's sizes: a schedule its rollouts cannot run says so first.
     check_prompt_schedules(config)
     _check_closed_loop(config)
@@ -472,6 +473,27 @@ def _check_token_passes(config: dict, surveyed: list[int]) -> None:
             f"export.step={export.get('step', 0)} but the token stores capture only "
             f"{captured} passes (capture.token_passes)"
         )
+
+
+def _check_figure_step_runs_in_every_block(config: dict) -> None:
+    """`figures.step` must pick a pass every block runs: with Causal Forcing++'s
+    `first_block_steps` the first block runs more denoising steps than the others, and a pass
+    only it runs leaves the figures of every later query block empty (Fig. 4 without bars, NaN
+    statistics)."""
+    step = config["figures"]["step"]
+    captured = _capture_passes(config)
+    for name in config["checkpoints"]:
+        sampler = sampler_settings(config, name)
+        regular, most = len(sampler["steps"]), denoising_steps(sampler)
+        if regular <= captured[step] < most:
+            every = [i for i, p in enumerate(captured) if p < regular or p >= most]
+            raise ConfigError(
+                f"figures.step={step} is pass {captured[step]}, which under checkpoint {name!r} "
+                f"only the first block runs (sampler.first_block_steps: {most} denoising steps; "
+                f"every other block runs sampler.steps: {regular}, passes "
+                f"{list(range(regular))} and the cache pass {most}): its figures would be empty; "
+                f"choose figures.step from {every}"
+            )
 
 
 def _capture_passes(config: dict) -> list[int]:

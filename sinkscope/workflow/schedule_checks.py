@@ -45,6 +45,8 @@ def check_prompt_schedules(config: dict) -> None:
         if len(segments) == 1:
             continue
         key = f"prompts.{name}"
+        for warning in repeated_segment_texts(segments, key):
+            print(f"sinkscope: warning: {warning}", file=sys.stderr)
         frames = config["video"]["num_frames"]
         if name in loop_prompts:
             frames = max(frames, config["closed_loop"]["num_frames"])
@@ -57,6 +59,25 @@ def check_prompt_schedules(config: dict) -> None:
         for checkpoint, prompt in closed_loop_runs(config):
             if prompt == name:
                 _check_closed_loop(config, key, segments, checkpoint)
+
+
+def repeated_segment_texts(segments: list[Segment], key: str) -> list[str]:
+    """One line per segment whose text an earlier segment of the same prompt already has: the
+    switch into it changes no prompt, yet LongLive's recache runs there and the switch tables
+    record it. Warned, not refused (a scene may return on purpose)."""
+    first: dict[str, int] = {}
+    warnings = []
+    for index, segment in enumerate(segments):
+        text = " ".join(segment.text.split())
+        if text in first:
+            warnings.append(
+                f"{key}.segments[{index}] has the text of {key}.segments[{first[text]}]: "
+                "its switch changes no prompt, though the recache (sampler.recache) runs there "
+                "and switches.csv records it"
+            )
+        else:
+            first[text] = index
+    return warnings
 
 
 def _reached(config: dict, segments: list[Segment], num_frames: int) -> list[int]:
