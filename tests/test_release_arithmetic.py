@@ -323,3 +323,46 @@ def test_participative_scores_are_deep_forcings_arithmetic():
     assert not torch.equal(
         torch.argsort(exact, stable=True), torch.argsort(got.double(), stable=True)
     )
+
+
+def test_the_closed_loop_job_in_bfloat16_is_the_release_bit_for_bit(tmp_path):
+    """Through the closed-loop job (checkpoint file, prompt file, `dtype: bfloat16`, the policy's
+    caches, a capture over the cache's slots): LongLive's cache, B = 4 with 2 sinks, saves the
+    latents the release computes."""
+    from sinkscope.extraction.closed_loop import closed_loop, load_latents
+    from sinkscope.wan.text import load_prompt_segments
+
+    from .test_capture import _write_inputs
+
+    model = make_tiny_model(seed=4)
+    video = {"num_frames": 8, "frames_per_block": 2, "latent_height": 4, "latent_width": 6}
+    prompt, settings = _write_inputs(tmp_path, model=model, video=video)
+    closed_loop(
+        checkpoint_name="tiny",
+        prompt_name="p",
+        prompt_embeddings=prompt,
+        settings={
+            **settings,
+            "dtype": "bfloat16",
+            "policy": {"name": "sink_window", "budget": 4, "sink_frames": 2},
+        },
+        latents_path=tmp_path / "loop.safetensors",
+        table_path=tmp_path / "loop.csv",
+        blocks_path=tmp_path / "loop.blocks.csv",
+        reference=None,
+        layers=[0],
+        stores=[tmp_path / "loop.zarr"],
+        progress=False,
+    )
+    ours = load_latents(tmp_path / "loop.safetensors")[0]
+    geo = Geometry(8, 2, 4, 6)
+    text = load_prompt_segments(prompt)[0]
+    theirs = release.self_forcing(
+        release_model(model.to(BF16)),
+        release_run(geo, settings["seed"], text, SELF_FORCING),
+        geo.block_sizes,
+        tokens_per_frame(geo, TINY),
+        window=4,
+        sinks=2,
+    )
+    assert torch.equal(ours, as_sinkscope(theirs)[0]), (ours - as_sinkscope(theirs)[0]).abs().max()
