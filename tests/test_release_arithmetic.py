@@ -4,8 +4,9 @@ same weights, prompt and noise, bit for bit on the CPU: the Self-Forcing sampler
 Self-Forcing's window with a sink, Causal Forcing++'s first-block steps, the [1, 3, 3] layout,
 CausVid's unwarped steps), the rolling sampler (Rolling Forcing's 5 steps, Causal Forcing's
 long videos' 4), LongLive's cache and its recache at prompt switches (global_sink on and off);
-a capture, survey or token store, never moves a bfloat16 rollout by a bit; the RoPE tables are
-Wan's bit for bit."""
+a capture, survey or token store, never moves a bfloat16 rollout by a bit; the closed-loop job
+gives the release's latents; the RoPE tables and Participative Compression's score are the
+releases' bit for bit."""
 
 from __future__ import annotations
 
