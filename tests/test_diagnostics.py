@@ -417,16 +417,15 @@ def test_frame_tables_of_full_and_without_reference(tmp_path):
     assert closed_loop.rollout_label("full", 0) == "full"
 
 
-def test_sink_mass_of_a_store_the_closed_loop_writer_wrote(tmp_path):
-    """The GPU job's writer (`SlotStoreWriter`): the sink mass read back per (step, head, query
-    frame) is the sum of the masses it was given on the sink frames' keys."""
+def _write_slot_store(path) -> np.ndarray:
+    """A store over cache slots written by the GPU job's writer (`SlotStoreWriter`), frame 0 a
+    sink; returns the sink mass per (step, head, query frame) it was given."""
     from sinkscope.extraction.store import SlotStoreWriter
 
     rng = np.random.default_rng(7)
     attrs = {"checkpoint": RUN[0], "prompt": RUN[1], "layer": 4, "key_axis": "slot"}
     attrs |= {"latent_grid": [FRAMES, 1, T], "frame_seq_length": T, "num_frames": FRAMES}
     attrs["block_sizes"] = [BLOCK] * (FRAMES // BLOCK)
-    path = tmp_path / "layer4.zarr"
     expected = np.full((len(STEPS), HEADS, FRAMES), np.nan)
     with SlotStoreWriter(
         path,
@@ -454,6 +453,39 @@ def test_sink_mass_of_a_store_the_closed_loop_writer_wrote(tmp_path):
                     step, b * BLOCK, mass, np.zeros((HEADS, BLOCK)), np.zeros_like(mass), labels
                 )
                 expected[step, :, b * BLOCK : (b + 1) * BLOCK] = mass[..., keys < 1].sum(-1)
+    return expected
+
+
+def test_sink_mass_of_a_store_the_closed_loop_writer_wrote(tmp_path):
+    """The GPU job's writer (`SlotStoreWriter`): the sink mass read back per (step, head, query
+    frame) is the sum of the masses it was given on the sink frames' keys."""
+    path = tmp_path / "layer4.zarr"
+    expected = _write_slot_store(path)
     got = block_table.store_sink_mass(path, 1)
     assert got.layer == 4 and list(got.pass_kind) == ["denoise", "cache"]
     np.testing.assert_allclose(got.mass, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reader", ["store_sink_mass", "store_sink_own_mass"])
+def test_a_flipped_byte_in_a_slot_store_names_the_store_variable_and_chunk(tmp_path, reader):
+    """A flipped byte in one chunk of `key_mass` fails its crc32c: the closed-loop summary's
+    readers name the store, the variable, the chunk and how to rebuild it (zarr alone says only
+    "Stored and computed checksum do not match")."""
+    from sinkscope.analysis import switches
+
+    path = tmp_path / "layer4.zarr"
+    _write_slot_store(path)
+    chunk = sorted(p for p in (path / "key_mass" / "c").rglob("*") if p.is_file())[-1]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    read = {
+        "store_sink_mass": lambda: block_table.store_sink_mass(path, 1),
+        "store_sink_own_mass": lambda: switches.store_sink_own_mass(path, 1),
+    }[reader]
+    with pytest.raises(ValueError) as raised:
+        read()
+    message = str(raised.value)
+    assert message.startswith(f"closed-loop store {path}: variable 'key_mass', chunk ")
+    assert chunk.relative_to(path / "key_mass").as_posix() in message
+    assert "re-run its closed loop" in message

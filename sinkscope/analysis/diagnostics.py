@@ -42,7 +42,7 @@ import zarr
 from sinkscope.analysis.closed_loop import RUN_KEYS, policy_order, read_deviation, read_run_table
 from sinkscope.analysis.slots import is_slot_store
 from sinkscope.analysis.stats import is_sink
-from sinkscope.analysis.stores import open_attention_store
+from sinkscope.analysis.stores import open_attention_store, read_region
 from sinkscope.diagnostics import HEAD_DIM, phase_concentration
 from sinkscope.storage import write_text_atomically
 from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS
@@ -141,8 +141,10 @@ def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
     for step in range(steps):
         for first in range(0, frames, run):
             rows = slice(first, min(first + run, frames))
-            values = np.asarray(key_mass[step, :, rows], dtype=np.float64)
-            owner = np.asarray(slot_frame[step, :, rows])
+            region = (slice(step, step + 1), slice(None), rows, slice(None))
+            kind, name = "closed-loop store", "key_mass"
+            values = read_region(key_mass, region, kind, path, name)[0].astype(np.float64)
+            owner = read_region(slot_frame, region, kind, path, "slot_frame")[0]
             seen = (owner >= 0).any(axis=-1)
             sink = (owner >= 0) & (owner < sink_frames) & ~np.isnan(values)
             total = np.where(sink, values, 0.0).sum(axis=-1)

@@ -103,6 +103,10 @@ DAMAGED = {
     "token store": "the store is damaged: re-run its extraction",
     "attention store": "the store is damaged: re-run its survey",
     "frame dataset": "the dataset is damaged: re-run its reduce",
+    "closed-loop store": (
+        "the store is damaged: re-run its closed loop (snakemake --forcerun closed_loop, or "
+        "delete the rollout's files and run again)"
+    ),
 }
 
 
@@ -142,6 +146,20 @@ def unreadable(
     if detail:
         where += f" ({detail})"
     return damaged(kind, path, f"{where} cannot be read ({error_text(cause)})")
+
+
+def read_region(
+    array: zarr.Array, region: tuple[slice, ...], kind: str, path: Path, name: str
+) -> np.ndarray:
+    """`array[region]` (variable `name` of the `kind` at `path`); a failed read (a flipped byte
+    fails its chunk's crc32c) names the store, the variable and the damaged chunk."""
+    try:
+        return np.asarray(array[region])
+    except Exception as err:
+        bounded = tuple(
+            slice(*part.indices(size)[:2]) for part, size in zip(region, array.shape, strict=True)
+        )
+        raise unreadable(kind, path, name, err, array, region_chunks(array, bounded)) from err
 
 
 def open_array(path: Path, name: str) -> zarr.Array | None:

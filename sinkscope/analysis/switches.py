@@ -36,7 +36,7 @@ from sinkscope.analysis.diagnostics import (
     sink_frame_count,
 )
 from sinkscope.analysis.slots import is_slot_store
-from sinkscope.analysis.stores import open_attention_store
+from sinkscope.analysis.stores import open_attention_store, read_region
 from sinkscope.cache_choices import KEY_KIND
 from sinkscope.storage import decoded_attrs, write_text_atomically
 from sinkscope.tables import SWITCH_COLUMNS
@@ -65,10 +65,16 @@ def store_sink_own_mass(path: str | os.PathLike, sink_frames: int) -> tuple[np.n
         some = slice(first_step, min(first_step + passes, steps))
         for first in range(0, frames, run):
             rows = slice(first, min(first + run, frames))
-            values = np.asarray(key_mass[some, :, rows])
+            region = (some, slice(None), rows)
+            values, kind, owner = (
+                read_region(array, (*region, slice(None)), "closed-loop store", path, name)
+                for name, array in (
+                    ("key_mass", key_mass),
+                    ("slot_kind", slot_kind),
+                    ("slot_frame", slot_frame),
+                )
+            )
             values = np.where(np.isnan(values), values.dtype.type(0), values)
-            kind = np.asarray(slot_kind[some, :, rows])
-            owner = np.asarray(slot_frame[some, :, rows])
             seen = (owner >= 0).any(axis=-1)
             is_own = kind == KEY_KIND["own"]
             is_sink = (kind == KEY_KIND["sink"]) | ((owner >= 0) & (owner < sink_frames) & ~is_own)
