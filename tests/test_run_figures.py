@@ -311,6 +311,22 @@ def test_heads_grid_titles_carry_sink_scores():
     assert titles == [f"L4H{h} sink {scores[h]:.3g}" for h in range(10)]
 
 
+def test_heads_grid_panels_hold_every_heads_bars(tmp_path):
+    """The panels share one y-axis so heads compare directly: its range holds every head's
+    profile, a planted head 50 times stronger than the others included (the first panel's
+    range used to fix it for all, drawing the strong head as clipped solid bars)."""
+    ds = make_frame_dataset(layer=2, num_heads=6)
+    ds["logit_mean"][:, 3] = ds["logit_mean"][:, 3] * 50
+    fig = plot_heads_grid(ds)
+    profile = numpy_last_block(ds, "logit_mean", 0)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert len(panels) == 6
+    save_figure(fig, tmp_path / "grid.svg")  # limits as drawn
+    for ax, values in zip(panels, profile, strict=True):
+        low, high = ax.get_ylim()
+        assert low <= min(0.0, np.nanmin(values)) and np.nanmax(values) <= high, ax.get_title()
+
+
 def test_render_run_figures_demo(tmp_path):
     stores = [write_store(tmp_path / "frames", make_frame_dataset(layer=i, seed=i)) for i in (0, 1)]
     out = tmp_path / "figures"

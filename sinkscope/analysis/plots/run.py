@@ -376,6 +376,13 @@ def plot_heads_grid(
         if index + ncols >= len(heads):  # no panel below: this one labels the key frames
             ax.tick_params(labelbottom=True)
             ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])  # per panel: the legend takes the foot
+    # One range for the shared axis, from every head (each panel fixed its own as it was drawn,
+    # and the first one's held for all: a strong head's bars were clipped).
+    values = profile.values
+    if np.isfinite(values).any():
+        low, high = min(0.0, float(np.nanmin(values))), max(0.0, float(np.nanmax(values)))
+        room = 0.08 * (high - low) or 1.0
+        axes[0].set_ylim(low - room, high + room)
     _query_block_legend(fig, block)
     fig.supylabel(PROFILE_LABELS[measure])
     fig.suptitle(_titled(f"Layer {layer_of(ds)}, all heads", ds, step, titles))
