@@ -96,7 +96,7 @@ LAST_BLOCK = {
         sink_score=2,
         first_middle_ratio=3,
         first_last_diff=1,
-        spread_pct=(3 - 1) / 1.75 * 100,
+        spread_pct=None,  # a percent of a mean logit: none (Contract 3)
         argmax_frame=0,
         min_frame=1,  # frames 1 and 2 tie: the first, as argmax
         uniform_multiple=None,
@@ -126,7 +126,7 @@ LAST_BLOCK = {
         sink_score=0.5,
         first_middle_ratio=None,
         first_last_diff=1,
-        spread_pct=3 / 2.5 * 100,
+        spread_pct=None,
         argmax_frame=2,
         min_frame=1,
         uniform_multiple=None,
@@ -194,7 +194,7 @@ def test_each_block():
         sink_score=None,
         first_middle_ratio=None,
         first_last_diff=0,
-        spread_pct=0,
+        spread_pct=None,
         argmax_frame=0,
         min_frame=0,  # a tie
         uniform_multiple=None,
@@ -257,7 +257,7 @@ def test_each_frame():
         last=1,
         sink_score=1.5,
         first_middle_ratio=4,
-        spread_pct=2 / 1 * 100,
+        spread_pct=None,
         argmax_frame=0,
         entropy=2.0,
     )
@@ -299,7 +299,7 @@ HEAD_MEAN = {
         sink_score=1.25,
         first_last_diff=1.0,
         first_middle_ratio=None,  # middle <= 0
-        spread_pct=2 / 0.375 * 100,
+        spread_pct=None,
         argmax_frame=0,
         min_frame=1,
         uniform_multiple=None,
@@ -404,7 +404,7 @@ def _numpy_statistics(profile: np.ndarray, own: np.ndarray, measure: str) -> dic
         sink_score=v[0] - middle,
         first_last_diff=v[0] - v[-1],
         first_middle_ratio=v[0] / middle if middle > 0 else None,
-        spread_pct=(v.max() - v.min()) / abs(v.mean()) * 100,
+        spread_pct=(v.max() - v.min()) / abs(v.mean()) * 100 if measure == "prob_mass" else None,
         argmax_frame=frames_seen[v.argmax()],
         min_frame=frames_seen[v.argmin()],
         entropy=None,

@@ -147,7 +147,11 @@ def profile_statistics(
             first_last_diff=first - last,
             # Only a positive middle makes a ratio (module docstring); NaN middle stays NaN.
             first_middle_ratio=first / middle if middle > 0 else np.nan,
-            spread_pct=(values.max() - values.min()) / abs(mean) * 100.0,
+            # A percent of the mean means something only for masses: a mean logit is defined up
+            # to a shift and often near 0 (a spread of 7,556 % said nothing).
+            spread_pct=(values.max() - values.min()) / abs(mean) * 100.0
+            if measure == "prob_mass"
+            else np.nan,
             argmax_frame=int(frames[np.argmax(values)]),
             min_frame=int(frames[np.argmin(values)]),
         )
