@@ -144,7 +144,10 @@ def sums_by_hand(policy: str, layer: int, mass, frame, kind) -> dict:
                     sink = own = 0.0
                     for s in range(mass.shape[-1]):
                         k, owner = kind[step, head, f, s], frame[step, head, f, s]
-                        if k == KEY_KIND["own"]:
+                        # A sink slot holding a frame of the query's own block (the first
+                        # block's own frames) is its own block, as under any other cache.
+                        in_block = owner >= 0 and owner // BLOCK == b
+                        if k == KEY_KIND["own"] or (k == KEY_KIND["sink"] and in_block):
                             own += mass[step, head, f, s]
                         elif k == KEY_KIND["sink"] or 0 <= owner < SINKS:
                             sink += mass[step, head, f, s]
@@ -207,6 +210,26 @@ class CountingArray:
         return self.array[key]
 
 
+def test_the_first_block_counts_alike_under_every_cache(tmp_path):
+    """The first block's queries see only their own frames, which a sink cache labels `sink`
+    and a window `own`: on the same masses both give own mass 1 and sink mass 0 there (the
+    sink cache used to give sink 1, own 0 on an identical rollout)."""
+    got = {}
+    for policy in ("sink_window", "window"):
+        path, *_ = write_store(tmp_path, policy, 0, seed=5)
+        sink, own = switches.store_sink_own_mass(path, SINKS)
+        got[policy] = (sink[:2, :, :BLOCK], own[:2, :, :BLOCK])  # its denoise and cache passes
+    for policy, (sink, own) in got.items():
+        np.testing.assert_array_equal(sink, 0.0, err_msg=policy)
+        np.testing.assert_allclose(own, 1.0, rtol=1e-6, err_msg=policy)
+
+
+class CountedGroup(dict):
+    """A store's arrays by name, with the group's attributes."""
+
+    attrs: dict
+
+
 def test_a_store_is_read_in_runs_of_whole_chunks(tmp_path, monkeypatch):
     path, *_ = write_store(tmp_path, "sink_window", 0, seed=4)
     positions = write_positions(tmp_path)
@@ -216,7 +239,9 @@ def test_a_store_is_read_in_runs_of_whole_chunks(tmp_path, monkeypatch):
 
     def counting(*args, **kwargs):
         group = open_group(*args, **kwargs)
-        return {name: CountingArray(group[name], reads) for name in group.array_keys()}
+        counted = CountedGroup({name: CountingArray(group[name], reads) for name in group})
+        counted.attrs = group.attrs
+        return counted
 
     monkeypatch.setattr(switches.zarr, "open_group", counting)
     monkeypatch.setattr(switches, "_READ_BYTES", 1)  # one chunk of query frames at a time

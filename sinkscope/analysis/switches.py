@@ -38,6 +38,7 @@ from sinkscope.analysis.diagnostics import (
 from sinkscope.analysis.slots import is_slot_store
 from sinkscope.analysis.stores import open_attention_store, read_region
 from sinkscope.cache_choices import KEY_KIND
+from sinkscope.frames import block_of_frame
 from sinkscope.storage import decoded_attrs, write_text_atomically
 from sinkscope.tables import SWITCH_COLUMNS
 
@@ -46,13 +47,16 @@ _READ_BYTES = 64 << 20  # key_mass and slot_kind bytes read at once from a store
 
 def store_sink_own_mass(path: str | os.PathLike, sink_frames: int) -> tuple[np.ndarray, np.ndarray]:
     """The mass [step, head, query_frame] (float64) of the store over cache slots at `path` on
-    the sink frames (the slots labelled `sink`, and those holding a frame below `sink_frames`
-    that are not the query's own block: the first frames of a cache without sinks, as the
-    collapse diagnostics count them) and on the own block (slots labelled `own`): nansums of
+    the sink frames (the slots labelled `sink`, and those holding a frame below `sink_frames`:
+    the first frames of a cache without sinks, as the collapse diagnostics count them) and on
+    the own block (slots labelled `own`, and sink-labelled slots holding a frame of the query's
+    own block: the first block's queries see their own frames in the sink slots, which is their
+    own block whatever the cache calls it, so every policy counts them alike): nansums of
     `key_mass`, NaN where the pass saw no slot for the query frame. The two never share a slot,
     so they sum to at most 1. Reads the passes a chunk holds together (the GPU job's chunks hold
     every pass of a block: one decompression each) and a bounded run of query frames."""
     group = zarr.open_group(str(path), mode="r")
+    block = block_of_frame(list(decoded_attrs(group.attrs)["block_sizes"]))
     key_mass, slot_kind, slot_frame = group["key_mass"], group["slot_kind"], group["slot_frame"]
     steps, heads, frames, slots = key_mass.shape
     passes = max(1, int(key_mass.chunks[0]))  # read together: a chunk decompresses whole
@@ -76,8 +80,13 @@ def store_sink_own_mass(path: str | os.PathLike, sink_frames: int) -> tuple[np.n
             )
             values = np.where(np.isnan(values), values.dtype.type(0), values)
             seen = (owner >= 0).any(axis=-1)
-            is_own = kind == KEY_KIND["own"]
-            is_sink = (kind == KEY_KIND["sink"]) | ((owner >= 0) & (owner < sink_frames) & ~is_own)
+            same_block = (owner >= 0) & (
+                block[np.clip(owner, 0, None)] == block[rows][None, None, :, None]
+            )
+            is_own = (kind == KEY_KIND["own"]) | ((kind == KEY_KIND["sink"]) & same_block)
+            is_sink = (
+                (kind == KEY_KIND["sink"]) | ((owner >= 0) & (owner < sink_frames))
+            ) & ~is_own
             for mass, chosen in ((sink, is_sink), (own, is_own)):
                 total = np.where(chosen, values, 0).sum(axis=-1, dtype=np.float64)
                 mass[some, :, rows] = np.where(seen, total, np.nan)
