@@ -32,6 +32,7 @@ include: "rules/policies.smk"
 include: "rules/figures.smk"
 include: "rules/export.smk"
 include: "rules/closed_loop.smk"
+include: "rules/videos.smk"
 
 
 # On a cluster these run in the main Snakemake process: seconds each, not worth a queue slot.
@@ -39,11 +40,13 @@ localrules:
     all,
     make_demo_checkpoint,
     make_demo_text_encoder,
+    make_demo_vae,
     stats,
     summary,
     figures,
     compare_figures,
     closed_loop_summary,
+    video_summary,
 
 
 # Every output a user opens is a target, so a plain rerun restores whatever is missing.
@@ -94,3 +97,23 @@ rule all:
         ],
         ["results/closed_loop/summary.csv"] if CLOSED_LOOP_POLICIES else [],
         [figure.path for figure in CLOSED_LOOP_FIGURES],
+        # videos: every decoded rollout, the grids, the tables, the video figures
+        [
+            f"results/videos/{checkpoint}/{prompt}/{rollout}.mp4"
+            for checkpoint, prompt in VIDEO_RUNS
+            for rollout in CLOSED_LOOP_ROLLOUTS
+        ],
+        [
+            f"results/videos/{checkpoint}/{prompt}/survey.mp4"
+            for checkpoint, prompt in SURVEY_VIDEO_RUNS
+        ],
+        (
+            ["results/videos/metrics.csv", "results/videos/drift.csv"]
+            if VIDEO_RUNS or SURVEY_VIDEO_RUNS
+            else []
+        ),
+        [
+            figure.path.format(checkpoint=checkpoint, prompt=prompt)
+            for checkpoint, prompt in VIDEO_RUNS
+            for figure in VIDEO_FIGURES
+        ],

@@ -24,9 +24,16 @@ GPU job runs (`dtype: auto`, bfloat16):
    comes on top) within the plan's estimate (`workflow.resources.gpu_memory_bytes`, which
    `snakemake -n` prints, its 1.5 GB allowance for the context included);
 3. bfloat16 against float32 at that width on the first --compare-layers layers: latents
-   (relative L2 per frame) and the surveyed key_mass (largest absolute difference).
+   (relative L2 per frame) and the surveyed key_mass (largest absolute difference);
+4. the decode job's VAE decode (`sinkscope.wan.vae.iter_decoded_frames`, one latent frame a
+   call, each chunk of uint8 frames copied to the CPU and dropped) of the rollout's 21 latent
+   frames (81 pixel frames at 480 x 832) with a random VAE of Wan2.1's shape, in bfloat16 and
+   in float32, after a warm-up decode of 2 latent frames: pixel frames per second (target
+   >= VAE_FPS_TARGET, the videos' playback rate, on one GPU) and the peak GPU memory against
+   the plan's estimate (`workflow.resources.vae_decode_bytes`).
 
     python benchmarks/gpu.py                 # ~5 min on an H200
+    python benchmarks/gpu.py --vae-only      # the VAE decode rows alone
     python benchmarks/gpu.py --cpu-smoke     # the same code, toy size, on the CPU (~1 min)
 """
 
@@ -49,6 +56,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 TIME_RATIO_TARGET = 2.0
+VAE_FPS_TARGET = 16.0  # pixel frames a second: Wan's videos play at 16 fps
 # The modules whose tests take a CUDA path when a GPU is there.
 CUDA_TESTS = [
     "tests/test_precision.py",
@@ -68,6 +76,7 @@ REAL = {
         "text_len": 512,
     },
     "video": {"num_frames": 21, "frames_per_block": 3, "latent_height": 60, "latent_width": 104},
+    "vae": {"base_dim": 96},  # Wan2.1's VAE
 }
 SMOKE = {
     "model": {
@@ -80,6 +89,7 @@ SMOKE = {
         "text_len": 8,
     },
     "video": {"num_frames": 6, "frames_per_block": 3, "latent_height": 4, "latent_width": 6},
+    "vae": {"base_dim": 8},
 }
 # As the embedded default captures (`layers: [0]`): 12 heads of pass 0 are 14.7 GB of float16.
 TOKEN_LAYERS = [0]
@@ -352,6 +362,66 @@ def compare_dtypes(scale: dict, device: torch.device, layers: int, folder: Path)
     return {"latents": max(rel_l2), "key_mass": mass}
 
 
+class Decoded(NamedTuple):
+    frames: int  # pixel frames
+    seconds: float
+    peak: int  # torch.cuda.max_memory_allocated, weights included (0 on a CPU)
+    estimate: dict  # workflow.resources.vae_decode_bytes
+
+
+def timed_decode(scale: dict, device: torch.device, dtype: torch.dtype) -> Decoded:
+    """The decode job's streaming decode of one rollout's latents (`scale`'s video) with a random
+    VAE of `scale`'s width in `dtype`: one latent frame a decoder call, each chunk's uint8
+    frames copied to the CPU and dropped as they come; timed after a warm-up decode of 2 latent
+    frames, its peak GPU memory from there (the weights in it)."""
+    from sinkscope.wan.vae import iter_decoded_frames, random_vae, tiny_vae_config
+    from sinkscope.workflow.resources import vae_decode_bytes
+
+    video, base_dim = scale["video"], scale["vae"]["base_dim"]
+    frames, height, width = video["num_frames"], video["latent_height"], video["latent_width"]
+    vae = random_vae(tiny_vae_config(base_dim)).to(device=device, dtype=dtype)
+    # On the CPU, as the job loads them; the decode moves them to the device.
+    latents = torch.randn(16, frames, height, width, generator=torch.Generator().manual_seed(0))
+    for _ in iter_decoded_frames(vae, latents[:, :2]):  # warm-up: kernels, allocator
+        pass
+    synchronize(device)
+    reset_peak(device)
+    count = 0
+    started = time.perf_counter()
+    for chunk in iter_decoded_frames(vae, latents):  # uint8 frames on the CPU: synchronised
+        count += chunk.shape[0]
+    seconds = time.perf_counter() - started
+    estimate = vae_decode_bytes(
+        height, width, base_dim=base_dim, value_bytes=dtype.itemsize, num_frames=frames
+    )
+    return Decoded(count, seconds, peak(device), estimate)
+
+
+def decode_row(scale: dict, device: torch.device, dtype: torch.dtype) -> tuple[str, str, str]:
+    """The table's row of `timed_decode`: frames per second against VAE_FPS_TARGET, the peak
+    against the plan's estimate."""
+    video, name = scale["video"], {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    decoded = timed_decode(scale, device, dtype)
+    fps = decoded.frames / decoded.seconds
+    ratio = fps / VAE_FPS_TARGET
+    estimate = decoded.estimate["total"]
+    gb = 1e9
+    if decoded.peak:
+        memory = (
+            f"peak {decoded.peak / gb:.2f} GB, estimate {estimate / gb:.2f} GB "
+            f"(vae_decode_bytes), measured / estimate {decoded.peak / estimate:.2f}"
+        )
+    else:
+        memory = f"peak not measured on a CPU; estimate {estimate / gb:.3f} GB (vae_decode_bytes)"
+    return (
+        f"VAE decode {name}, {decoded.frames} frames at {8 * video['latent_height']} x "
+        f"{8 * video['latent_width']} (base_dim {scale['vae']['base_dim']})",
+        f"{fps:.1f} frames/s, {ratio:.2f} x {VAE_FPS_TARGET:.0f} fps (target >= 1) "
+        f"{'met' if ratio >= 1 else 'MISSED'}",
+        memory,
+    )
+
+
 class Table(list):
     """The table's rows, each also printed as it is measured (a killed run keeps what it got)."""
 
@@ -396,7 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--survey-only",
         action="store_true",
-        help="skip the token capture and bfloat16 against float32 (the survey's rows alone)",
+        help="skip the token capture, bfloat16 against float32 and the VAE decode (the survey's "
+        "rows alone)",
+    )
+    parser.add_argument(
+        "--vae-only", action="store_true", help="the VAE decode rows alone (no tests, no rollout)"
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -412,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     device_name = "CPU (smoke, toy size)" if args.cpu_smoke else torch.cuda.get_device_name()
     dtype = torch.bfloat16  # what `dtype: auto` runs on CUDA
     rows = Table()
+    if args.vae_only:
+        failed = decode_rows(rows, scale, device)
+        print_table(rows, device_name, scale)
+        return 1 if failed else 0
     if not args.no_tests and not args.cpu_smoke:
         with stage("CUDA tests") as tests:
             summary = cuda_tests()
@@ -562,12 +640,32 @@ def main(argv: list[str] | None = None) -> int:
             if comparison["error"]:
                 rows.add((f"bf16 vs fp32, {args.compare_layers} layers", comparison["error"], ""))
         failed = bool(rollouts["error"] or comparison["error"])
+    if not args.survey_only:
+        failed = decode_rows(rows, scale, device) or failed
+    print_table(rows, device_name, scale)
+    return 1 if failed else 0
+
+
+def decode_rows(rows: Table, scale: dict, device: torch.device) -> bool:
+    """The VAE decode in bfloat16 and float32 (`decode_row`); True if either failed."""
+    failed = False
+    for dtype in (torch.bfloat16, torch.float32):
+        with stage(f"VAE decode {dtype}") as decode:
+            rows.add(decode_row(scale, device, dtype))
+        if decode["error"]:
+            rows.add((f"VAE decode {dtype}", decode["error"], ""))
+            failed = True
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return failed
+
+
+def print_table(rows: Table, device_name: str, scale: dict) -> None:
     print(f"\n### `benchmarks/gpu.py` on {device_name}, torch {torch.__version__}\n")
     print(Table.HEADER)
     for row in rows:
         print(Table.line(row))
     print(f"\n(one run each after a warm-up; geometry {scale['video']}; u = 2^-8 = {2**-8:.2e})")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

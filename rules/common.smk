@@ -7,9 +7,11 @@ from sinkscope.analysis.figures import closed_loop_figures, compare_figures
 from sinkscope.analysis.figures import policy_figures, run_figures
 from sinkscope.analysis.figures import survey_compare_figures
 from sinkscope.analysis.figures import survey_figures as survey_figure_files
+from sinkscope.analysis.figures import video_figures
 from sinkscope.workflow.checks import check_config
 from sinkscope.workflow.plan import format_plan, job_disk_mb
 from sinkscope.workflow.entries import (
+    DEMO_VAE_DIR,
     ConfigError,
     closed_loop_rollouts,
     checkpoint_inputs,
@@ -20,7 +22,11 @@ from sinkscope.workflow.entries import (
     is_demo_checkpoint,
     prompt_text,
     survey_layers,
+    survey_video_runs,
     token_layers,
+    vae_inputs,
+    vae_path,
+    video_runs,
 )
 from sinkscope.workflow.params import (
     canonical,
@@ -33,6 +39,7 @@ from sinkscope.workflow.params import (
     prompt_segment_params,
 )
 from sinkscope.workflow.resources import (
+    DECODE_MEM_MB,
     POLICIES_MINUTES,
     REDUCE_MB,
     closed_loop_runtime,
@@ -42,6 +49,7 @@ from sinkscope.workflow.resources import (
     extract_runtime,
     reduce_runtime,
     survey_runtime,
+    video_runtime,
 )
 
 # For envs/*.post-deploy.sh, which install this checkout into the --sdm conda envs.
@@ -102,6 +110,14 @@ CLOSED_LOOP_FIGURES = (
     else []
 )
 
+# Videos (`videos`): the closed-loop runs whose rollouts are decoded, the runs whose survey
+# rollout is decoded too (`videos: all`), and the video figures of each closed-loop run.
+VIDEO_RUNS = video_runs(config)
+SURVEY_VIDEO_RUNS = survey_video_runs(config)
+VIDEO_FIGURES = video_figures(
+    "results/figures/{checkpoint}/{prompt}", config["figures"]["format"]
+)
+
 # What each extraction job claims of the `gpu` resource: nothing for CPU jobs on this machine.
 GPU_PER_JOB = extraction_gpus(config, workflow.local_exec)
 EXTRACT_THREADS = extraction_threads(config, workflow.local_exec)
@@ -122,6 +138,12 @@ def checkpoint_files_input(wildcards):
     """A user's checkpoint files are ancient(): their sha256 in params decides reruns, not their
     mtime. Demo checkpoints are outputs of this workflow, rerun by the usual rules."""
     files = checkpoint_inputs(config, wildcards.checkpoint)
+    return files if is_demo_checkpoint(config, wildcards.checkpoint) else ancient(files)
+
+
+def vae_files_input(wildcards):
+    """The files of the checkpoint's VAE: ancient() as a checkpoint's (the demo's are made)."""
+    files = vae_inputs(vae_path(config, wildcards.checkpoint))
     return files if is_demo_checkpoint(config, wildcards.checkpoint) else ancient(files)
 
 

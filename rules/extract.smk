@@ -32,12 +32,18 @@ if SURVEY_LAYERS:
             checkpoint=checkpoint_files_input,
             prompt="results/prompts/{prompt}.safetensors",
         output:
-            [
+            stores=[
                 directory(
                     f"results/attention/{{checkpoint}}/{{prompt}}/layer{layer}.zarr"
                 )
                 for layer in SURVEY_LAYERS
             ],
+            # the rollout's x0 latents, for its video (`videos: all`)
+            latents=(
+                ["results/attention/{checkpoint}/{prompt}/latents.safetensors"]
+                if SURVEY_VIDEO_RUNS
+                else []
+            ),
         log:
             "results/logs/survey/{checkpoint}/{prompt}.log",
         # First on the GPU: every figure and statistic of a run waits for its survey only.

@@ -13,7 +13,9 @@ with job_log(snakemake.log[0]):
         prompt_name=snakemake.wildcards.prompt,
         prompt_embeddings=snakemake.input.prompt,
         layers=snakemake.params.get("layers") or [int(snakemake.wildcards.layer)],
-        outputs=list(snakemake.output),
+        # the survey's stores= (and latents=), or the extract rule's one token store
+        outputs=list(snakemake.output.get("stores", snakemake.output)),
         settings=snakemake.params.settings,
         store=snakemake.params.get("store", "tokens"),
+        latents=(snakemake.output.get("latents") or [None])[0],
     )

@@ -275,3 +275,16 @@ def closed_loop_key_frames(
     else:
         frames = policy["budget"]
     return min(frames, num_frames)
+
+
+def evicting_frame(frames: Sequence[int], blocks: Sequence[int], capacity: int) -> int | None:
+    """The first frame of the first block whose end (its last frame + 1) exceeds `capacity`, the
+    frames the cache holds before it drops any (the budget, or Participative Compression's
+    capacity): from there on the cache has dropped keys. None when every block fits."""
+    frames = np.asarray(frames)
+    blocks = np.asarray(blocks)
+    for block in np.unique(blocks):
+        members = frames[blocks == block]
+        if int(members.max()) + 1 > int(capacity):
+            return int(members.min())
+    return None

@@ -13,6 +13,7 @@ from sinkscope.wan.checkpoint import save_wan_model
 from sinkscope.wan.config import WanConfig
 from sinkscope.wan.model import WanModel
 from sinkscope.wan.text import make_demo_text_encoder, wan_umt5_key_map
+from sinkscope.wan.vae import random_vae, save_original_layout, tiny_vae_config
 
 from .test_lora import random_lora
 from .workflowtools import REPO, copy_workflow, planned_jobs, snakemake
@@ -63,6 +64,8 @@ def _model(seed: int) -> WanModel:
 def _write_self_forcing_layout(root) -> None:
     wan = root / "wan_models" / "Wan2.1-T2V-1.3B"
     save_wan_model(_model(0), wan)
+    # Wan2.1_VAE.pth in the original layout (Wan's structure at 1 channel of 96: planned only).
+    save_original_layout(random_vae(tiny_vae_config(1)), wan / "Wan2.1_VAE.pth")
     # Wan's UMT5 .pth (bf16, Wan key names) and the google/umt5-xxl tokenizer folder.
     encoder_dir = root / "hf_encoder"
     make_demo_text_encoder(encoder_dir, d_model=32, num_layers=2, num_heads=4, seed=3)
@@ -160,6 +163,9 @@ def test_deep_forcing_example_plans_its_closed_loop(example_root):
     result = snakemake(example_root, "-n", *args)
     for policy in ("full", "window", "deep_sink", "participative", "deep_forcing"):
         assert f"results/closed_loop/self_forcing_dmd/eagle/{policy}.safetensors" in result.stdout
+        # decoded with the VAE beside the base model (`vae`'s default)
+        assert f"results/videos/self_forcing_dmd/eagle/{policy}.mp4" in result.stdout
+    assert "wan_models/Wan2.1-T2V-1.3B/Wan2.1_VAE.pth" in result.stdout
 
 
 def test_long_video_example_plans_a_closed_loop_past_the_rope_table(example_root):

@@ -55,7 +55,7 @@ def test_every_kind_has_a_function_and_a_caption(kind):
     assert builder.__module__ == f"sinkscope.analysis.plots.{kind.family}"
     assert builder.__name__ == kind.function
     first = next(iter(inspect.signature(builder).parameters))
-    tables = {"layer": "ds", "policies": "table", "closed_loop": "table"}
+    tables = {"layer": "ds", "policies": "table", "closed_loop": "table", "video": "table"}
     assert first == tables.get(kind.scope, "datasets")
     assert (REPO / "report" / kind.caption).is_file()
 

@@ -310,8 +310,12 @@ def example(name: str) -> dict:
 
 
 def example_files(config: dict) -> set[str]:
-    """The files an example reads: a generator replaces the base weights."""
+    """The files an example reads: a generator replaces the base weights; the VAE beside the base
+    decodes the closed loop's videos, unless `videos: none`."""
     files = {config["text_encoder"]["path"], config["text_encoder"]["tokenizer"]}
+    if config.get("closed_loop", {}).get("policies") and config.get("videos") != "none":
+        runs = config["closed_loop"].get("runs") or [[name] for name in config["checkpoints"]]
+        files |= {f"{config['checkpoints'][run[0]]['base']}/Wan2.1_VAE.pth" for run in runs}
     for entry in config["checkpoints"].values():
         files.add(f"{entry['base']}/{CONFIG_NAME}")
         files.add(entry["generator"] if "generator" in entry else f"{entry['base']}/{WEIGHTS_NAME}")

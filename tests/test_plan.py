@@ -248,3 +248,82 @@ def test_gpu_estimate_of_the_1_3b_example(tmp_path, monkeypatch):
     assert loop["kv_cache"] == 30 * 2 * 42 * 1560 * 1536 * 2
     expected = f"about {loop['total'] / 1e9:.1f} GB for closed_loop self_forcing_dmd (42 frames)"
     assert expected in plan.format_plan(config)
+
+
+def vae_line(job: str, latent: tuple[int, int], rollouts: int, frames: int, parts: dict) -> str:
+    """The plan's line of the largest decode job, from `resources.vae_decode_bytes`'s parts."""
+    height, width = latent
+    side = "side by side" if rollouts > 1 else "alone"
+    size = plan._size
+    return (
+        f"about {size(parts['total'])} for {job} at {8 * height} x {8 * width} ({height} x "
+        f"{width} latent), {rollouts} rollout{'s' if rollouts > 1 else ''} of {frames} frames "
+        f"{side} (weights {size(parts['weights'])}, feature cache "
+        f"{size(parts['feature_cache'])}, activations {size(parts['activations'])}, latents "
+        f"{size(parts['latents'])}; all but the latents the same at any length)"
+    )
+
+
+def test_the_plan_estimates_the_largest_decode_job():
+    """One line for the video job of the largest VAE decode: the closed loop's 7 rollouts of 42
+    frames as one batch (the demo VAE's base_dim 1, bf16 as on a GPU); with `videos: all` and no
+    closed loop, a survey's lone rollout of 21 frames; none with `videos: none`."""
+    from sinkscope.workflow.resources import vae_decode_bytes
+
+    config = checked()
+    parts = vae_decode_bytes(8, 12, base_dim=1, value_bytes=2, batch=7, num_frames=42)
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    expected = vae_line("videos demo_a", (8, 12), 7, 42, parts)
+    assert f"  VAE decode (estimate, bf16): {expected}" in plan.format_plan(config).splitlines()
+
+    def survey_only(c: dict) -> None:
+        c.update(videos="all", dtype="float32")
+        c["closed_loop"]["policies"] = []
+        c["demo"]["vae"]["base_dim"] = 96
+        c["video"].update(latent_height=60, latent_width=104)
+
+    parts = vae_decode_bytes(60, 104, value_bytes=4, num_frames=21)
+    expected = vae_line("survey_video demo_a", (60, 104), 1, 21, parts)
+    assert f"VAE decode (estimate, fp32): {expected}" in plan.format_plan(checked(survey_only))
+    assert 8.5e9 < parts["total"] - parts["latents"] < 9.5e9  # Wan's VAE at 480 x 832, fp32
+    assert "VAE decode" not in plan.format_plan(checked(lambda c: c.update(videos="none")))
+
+
+def test_vae_estimate_counts_the_decoders_parts(tmp_path):
+    """`vae_parameters` and the feature cache of `vae_decode_bytes` (no torch, for the plan)
+    against the built VAE: its parameters at Wan's width (meta device) and tiny ones, and the
+    cache a streaming decode holds after a few latent frames; the base_dim of a diffusers
+    folder's VAE from its config.json."""
+    import json
+
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from sinkscope.wan import vae as wan_vae
+    from sinkscope.workflow import resources
+
+    with torch.device("meta"):
+        real = AutoencoderKLWan.from_config(wan_vae.WAN21_VAE_CONFIG)
+    assert sum(p.numel() for p in real.parameters()) == resources.vae_parameters() == 126_892_531
+    vae = wan_vae.random_vae(wan_vae.tiny_vae_config(4))
+    assert sum(p.numel() for p in vae.parameters()) == resources.vae_parameters(4)
+    latents = torch.randn(16, 4, 3, 5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = vae.post_quant_conv(latents.unsqueeze(0))
+        cache: list = [None] * sum(isinstance(m, torch.nn.Conv3d) for m in vae.decoder.modules())
+        for i in range(x.shape[2]):  # as wan.vae.iter_decoded_pixels drives it
+            vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+    held = sum(c.numel() * c.element_size() for c in cache if isinstance(c, torch.Tensor))
+    estimate = resources.vae_decode_bytes(3, 5, base_dim=4, value_bytes=4)
+    assert held == estimate["feature_cache"]
+    assert resources.vae_decode_bytes(3, 5, base_dim=4, batch=3)["feature_cache"] == 3 * (
+        estimate["feature_cache"] // 2
+    )
+    config = checked()
+    assert resources.vae_base_dim(config, "demo_a") == 1  # demo.vae.base_dim
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"base_dim": 8}))
+    config["vae"] = str(tmp_path)  # a pipeline folder holding vae/
+    assert resources.vae_base_dim(config, "demo_a") == 8
+    config["vae"] = str(tmp_path / "Wan2.1_VAE.pth")
+    assert resources.vae_base_dim(config, "demo_a") == 96

@@ -36,6 +36,7 @@ HEAD_LAYERS = sorted({layer for layer, _ in CONFIG["figures"]["heads"]})
 # Per-layer figures: the token layers and those of figures.heads.
 FIGURE_LAYERS = sorted({*LAYERS, *HEAD_LAYERS})
 RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
+VIDEO_RUNS = [tuple(run) for run in CONFIG["closed_loop"]["runs"]]  # decoded: videos closed_loop
 SURVEY_LAYERS = survey_layers(checked())  # `all`: every layer of the demo model
 
 
@@ -63,6 +64,11 @@ def expected_figures() -> dict[str, tuple[str, str, dict[str, str]]]:
     for figure in figures.closed_loop_figures("results/figures/compare", FORMAT):
         caption = figure.kind.caption.removesuffix(".rst")
         expected[figure.path] = ("closed loop", caption, figure.labels)
+    for checkpoint, prompt in VIDEO_RUNS:
+        folder = f"results/figures/{checkpoint}/{prompt}"
+        for figure in figures.video_figures(folder, FORMAT):
+            caption = figure.kind.caption.removesuffix(".rst")
+            expected[figure.path] = (f"{checkpoint} / {prompt}", caption, figure.labels)
     return expected
 
 
@@ -136,9 +142,10 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     categories = embedded(page, "categories")
     expected = expected_figures()
     # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 4 survey
-    # figures per run; 3 across runs, the survey's sink rates of every run and 4 of the closed loop.
+    # figures per run; 3 across runs, the survey's sink rates of every run and 4 of the closed loop;
+    # 2 video figures per decoded closed-loop run.
     per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
-    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 == 72
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 + 2 * len(VIDEO_RUNS) == 74
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
@@ -209,6 +216,35 @@ def test_report_holds_the_summary_table(demo_report):
     assert plain_text(first_line("summary")) in plain_text(entry["caption"])
 
 
+def test_report_plays_the_grid_videos_and_holds_the_video_tables(demo_report):
+    workdir, page = demo_report
+    results = embedded(page, "results")
+    categories = embedded(page, "categories")
+    tables = {"results/videos/metrics.csv", "results/videos/drift.csv"}
+    assert tables <= {path for paths in categories["Videos"].values() for path in paths}
+    for checkpoint, prompt in VIDEO_RUNS:
+        page_path = f"results/videos/{checkpoint}/{prompt}/grid.html"
+        assert page_path in categories["Videos"][f"{checkpoint} / {prompt}"]
+        entry = results[page_path]
+        assert entry["mime_type"] == "text/html"
+        # The page carries the grid video itself, byte for byte, in a <video> element.
+        grid_page = decode_data_uri(entry["data_uri"]).decode()
+        match = re.search(r"<video[^>]* src='data:video/mp4;base64,([^']+)'", grid_page)
+        assert match, grid_page[:500]
+        grid = workdir / f"results/videos/{checkpoint}/{prompt}/grid.mp4"
+        assert base64.b64decode(match.group(1)) == grid.read_bytes()
+        assert plain_text(first_line("video_grid")) in plain_text(entry["caption"])
+    metrics = pd.read_csv(
+        io.BytesIO(decode_data_uri(results["results/videos/metrics.csv"]["data_uri"]))
+    )
+    rollouts = {"full", *CONFIG["closed_loop"]["policies"]}
+    assert set(metrics["rollout"]) == rollouts
+    drift = pd.read_csv(
+        io.BytesIO(decode_data_uri(results["results/videos/drift.csv"]["data_uri"]))
+    )
+    assert set(drift["rollout"]) == rollouts and drift["flicker_score"].between(0, 1).all()
+
+
 def test_report_describes_the_workflow(demo_report):
     _, page = demo_report
     description = plain_text(embedded(page, "workflow_desc"))
@@ -227,6 +263,9 @@ def test_every_caption_file_is_used():
         "closed_loop_summary",
         "closed_loop_blocks",
         "closed_loop_switches_table",
+        "video_metrics",
+        "video_drift",
+        "video_grid",
         "workflow",
     }
     assert captions == used | tables

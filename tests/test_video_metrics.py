@@ -1,4 +1,4 @@
-"""Pixel-space diagnostics of a decoded rollout (sinkscope.analysis.video_metrics) against values
+"""Pixel-space diagnostics of a decoded rollout (sinkscope.video_metrics) against values
 worked out by hand on tiny synthetic frames."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sinkscope.analysis import video_metrics as vm
+from sinkscope import video_metrics as vm
 
 
 def video(values, size: int = 8) -> np.ndarray:

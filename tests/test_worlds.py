@@ -63,7 +63,7 @@ def test_worlds_import_only_what_they_may(world):
 
 
 PLOTS = PACKAGE / "analysis" / "plots"
-FAMILIES = ("run", "compare", "survey", "policy", "closed_loop")
+FAMILIES = ("run", "compare", "survey", "policy", "closed_loop", "video")
 
 
 def test_the_plot_families_are_the_registrys():

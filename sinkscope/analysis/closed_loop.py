@@ -56,6 +56,7 @@ import pandas as pd
 from sinkscope import cache_choices
 from sinkscope.analysis.policies import read_policies
 from sinkscope.cache_choices import policy_label
+from sinkscope.frames import evicting_frame
 from sinkscope.storage import write_text_atomically
 from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS, FRAME_TABLE_COLUMNS
 
@@ -212,16 +213,6 @@ def _read_one_deviation(path: str | os.PathLike) -> pd.DataFrame:
 def _run_label(row) -> str:
     label = rollout_label(*(row[key] for key in RUN_KEYS[2:]))
     return f"{row['checkpoint']}/{row['prompt']} {label}"
-
-
-def evicting_frame(frames: Sequence[int], blocks: Sequence[int], capacity: int) -> int | None:
-    """The first frame of the first block whose end (its last frame + 1) exceeds `capacity`, the
-    frames the cache holds before it drops any (the budget, or Participative Compression's
-    capacity): from there on the cache has dropped keys. None when every block fits."""
-    table = pd.DataFrame({"frame": np.asarray(frames), "block": np.asarray(blocks)})
-    by_block = table.groupby("block")["frame"].agg(["min", "max"]).sort_index()
-    over = by_block[by_block["max"] + 1 > int(capacity)]
-    return None if over.empty else int(over["min"].iloc[0])
 
 
 def offline_policy(policy: str, sink_frames: int = 0) -> str:

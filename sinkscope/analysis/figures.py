@@ -4,14 +4,16 @@
 of the family module `sinkscope.analysis.plots.<family>`), its caption (`report/<caption>`), how
 many files it makes and which layers it shows. The rules build their outputs and report labels
 from it (`run_figures`, `compare_figures`, and with a whole-model survey `survey_figures`,
-`survey_compare_figures`, with KV-cache policy recall tables `policy_figures`, and with
-closed-loop rollouts `closed_loop_figures`); the figure scripts hand their outputs to
-`plots.render_figures`, which asks `parse_figure_path` what each file is and calls its builder.
+`survey_compare_figures`, with KV-cache policy recall tables `policy_figures`, with
+closed-loop rollouts `closed_loop_figures`, and with their decoded videos `video_figures`);
+the figure scripts hand their outputs to `plots.render_figures`, which asks `parse_figure_path`
+what each file is and calls its builder.
 
 Families (`FAMILIES`, one module each under `sinkscope/analysis/plots/`): `run` (one run's layer
 and run figures, Fig. 4 among them), `compare` (across runs), `survey` (the whole-model survey),
-`policy` (KV-cache policy recall), `closed_loop` (rollouts past the cache). Shared drawing helpers
-live in `plots/common.py`; a family module never imports another.
+`policy` (KV-cache policy recall), `closed_loop` (rollouts past the cache), `video` (one
+closed-loop run's decoded rollouts beside its diagnostics). Shared drawing helpers live in
+`plots/common.py`; a family module never imports another.
 
 Adding a figure to a family touches four files: a `plot_*` function in its family module, an
 entry here, a caption in report/, a test in the family's test module
@@ -39,13 +41,20 @@ Scopes:
   (`closed_loop_figures`, e.g. results/figures/closed_loop/closed_loop_deviation.svg); the
   function gets a table (a DataFrame: the stacked frame tables, or the closed-loop summary; the
   collapse figure the block table of `analysis.diagnostics` too), not frame datasets.
+- `video`: one file per closed-loop run (checkpoint, prompt) with decoded rollouts
+  (`results/videos/{checkpoint}/{prompt}/{rollout}.mp4` and their `metrics.csv`):
+  `video_{kind}.{fmt}` next to the run's figures (`video_figures`, e.g.
+  results/figures/{checkpoint}/{prompt}/video_strip.svg; the folder names the run); the
+  function gets the run's video metrics (a DataFrame), and as it asks for them its videos and
+  its rows of the closed loop's frame tables and block table, not frame datasets.
 `layers`: `captured` (every layer in `layers:`), `heads` (the layers of `figures.heads`),
 `surveyed` (every surveyed layer), `policies` (every layer of the recall table) or `model` (no
-layer picked: the closed loop changes the cache of every layer). A `compare` kind of the
-`surveyed` layers compares surveys: `compare/survey_{kind}.{fmt}` (`survey_compare_figures`),
-not among `compare_figures`.
+layer picked: the closed loop changes the cache of every layer; the closed-loop and video
+figures). A `compare` kind of the `surveyed` layers compares surveys:
+`compare/survey_{kind}.{fmt}` (`survey_compare_figures`), not among `compare_figures`.
 File names of `surveyed` kinds start with `survey_`, those of `policies` kinds with `policy_`,
-those of `closed_loop` kinds with `closed_loop_`, and no other kind's name does.
+those of `closed_loop` kinds with `closed_loop_`, those of `video` kinds with `video_`, and no
+other kind's name does.
 
 Layers and heads are 0-based everywhere: file names, titles, labels and CSVs (layer 0 head 0 is
 L0H0; Deep Forcing's paper counts from 1, so its L1H1 and L5H10 are L0H0 and L4H9 here).
@@ -60,15 +69,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePath
 
-SCOPES = ("layer", "run", "compare", "survey", "policies", "closed_loop")
+SCOPES = ("layer", "run", "compare", "survey", "policies", "closed_loop", "video")
 LAYER_SETS = ("captured", "heads", "surveyed", "policies", "model")
 SURVEY_PREFIX = "survey_"  # file names of survey figures: survey_{kind}.{fmt}
 POLICY_PREFIX = "policy_"  # file names of policy recall figures: policy_{kind}.{fmt}
 CLOSED_LOOP_PREFIX = "closed_loop_"  # file names of closed-loop figures: closed_loop_{kind}.{fmt}
+VIDEO_PREFIX = "video_"  # file names of video figures: video_{kind}.{fmt}
 MODEL_LABEL = "all"  # the `layer` label of a figure of the whole model (layers `model`)
 FORMATS = ("svg", "png", "pdf")
 # The figure families: one module of sinkscope.analysis.plots each.
-FAMILIES = ("run", "compare", "survey", "policy", "closed_loop")
+FAMILIES = ("run", "compare", "survey", "policy", "closed_loop", "video")
+# The scopes of the whole model's figures (layers `model`): the closed loop changes every layer.
+MODEL_SCOPES = ("closed_loop", "video")
+# The scopes whose figures draw tables (and videos), no frame dataset.
+TABLE_SCOPES = ("policies", "closed_loop", "video")
 
 
 @dataclass(frozen=True)
@@ -96,11 +110,12 @@ class FigureKind:
             raise ValueError(
                 f"figure {self.name}: policy figures, and only they, show the recall table's layers"
             )
-        if (self.scope == "closed_loop") != (self.layers == "model"):
+        if (self.scope in MODEL_SCOPES) != (self.layers == "model"):
             raise ValueError(
-                f"figure {self.name}: closed-loop figures, and only they, show the whole model"
+                f"figure {self.name}: closed-loop and video figures, and only they, show the "
+                "whole model"
             )
-        for prefix in (SURVEY_PREFIX, POLICY_PREFIX, CLOSED_LOOP_PREFIX):
+        for prefix in (SURVEY_PREFIX, POLICY_PREFIX, CLOSED_LOOP_PREFIX, VIDEO_PREFIX):
             if self.name.startswith(prefix):
                 raise ValueError(f"figure {self.name}: {prefix} is the file prefix of some kinds")
 
@@ -122,16 +137,17 @@ class FigureKind:
     @property
     def prefix(self) -> str:
         """`survey_` for a survey figure, `policy_` for a policy figure, `closed_loop_` for a
-        closed-loop figure, else nothing."""
+        closed-loop figure, `video_` for a video figure, else nothing."""
         if self.surveyed:
             return SURVEY_PREFIX
-        return {"policies": POLICY_PREFIX, "closed_loop": CLOSED_LOOP_PREFIX}.get(self.scope, "")
+        prefixes = {"policies": POLICY_PREFIX, "closed_loop": CLOSED_LOOP_PREFIX}
+        return (prefixes | {"video": VIDEO_PREFIX}).get(self.scope, "")
 
     @property
     def stem(self) -> str:
         """The file name without folder and format: `survey_{name}` for a survey figure,
-        `policy_{name}` for a policy figure, `closed_loop_{name}` for a closed-loop figure (a
-        layer figure adds `layer{L}_` in front)."""
+        `policy_{name}` for a policy figure, `closed_loop_{name}` for a closed-loop figure,
+        `video_{name}` for a video figure (a layer figure adds `layer{L}_` in front)."""
         return f"{self.prefix}{self.name}"
 
     @property
@@ -217,6 +233,10 @@ FIGURES = {
             "closed_loop_switches.rst",
             "closed_loop",
             "model",
+        ),
+        FigureKind("strip", "video.plot_video_strip", "video_strip.rst", "video", "model"),
+        FigureKind(
+            "diagnostics", "video.plot_video_diagnostics", "video_diagnostics.rst", "video", "model"
         ),
     )
 }
@@ -329,6 +349,20 @@ def closed_loop_figures(folder: str, fmt: str) -> list[FigureFile]:
         FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, ())
         for kind in FIGURES.values()
         if kind.scope == "closed_loop"
+    ]
+
+
+def video_figures(folder: str, fmt: str) -> list[FigureFile]:
+    """Every video figure of one closed-loop run in `folder` (its figure folder,
+    results/figures/{checkpoint}/{prompt}, or with those wildcards), in registry order:
+    `{folder}/video_{kind}.{fmt}`, drawn from the run's decoded rollouts, their video metrics and
+    the closed loop's tables of the run (`render_figures` reads the run from the folder's last
+    two names); no layers picked (label `layer`: all)."""
+    _check_format(fmt)
+    return [
+        FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, ())
+        for kind in FIGURES.values()
+        if kind.scope == "video"
     ]
 
 

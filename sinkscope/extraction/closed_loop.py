@@ -19,29 +19,26 @@ import contextlib
 import csv
 import dataclasses
 import io
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from sinkscope.diagnostics import sink_distance
 from sinkscope.frames import block_sizes, closed_loop_key_frames
 from sinkscope.schedules import BlockPart, ModelCall
-from sinkscope.storage import atomic_path, write_text_atomically
+from sinkscope.storage import write_text_atomically
 from sinkscope.tables import BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .cache_policies import CachePolicy
 from .capture import LogitCapture
 from .job import RolloutPlan, loaded_job, plan_stores, stores_in_a_process
+from .latents import load_latents, save_latents
 from .rolling import rolling_caches
 from .sampling import rollout
 
-LATENTS_KEY = "x0"
 # What must match between a policy's rollout and its reference for the comparison to mean anything.
 _SAME_ROLLOUT = ("checkpoint_sha256", "prompt", "seed", "num_frames", "sampler", "video")
 
@@ -61,29 +58,6 @@ def policy_of(settings: dict) -> CachePolicy:
         jitter=entry.get("jitter", 0.0),
         bias=entry.get("bias", 1.0),
     )
-
-
-def save_latents(path: str | Path, latents: torch.Tensor, metadata: dict) -> None:
-    """x0 latents [C, F, H, W] (float32) and their provenance (JSON values), atomically."""
-    with atomic_path(path) as temporary:
-        save_file(
-            {LATENTS_KEY: latents.contiguous()},
-            str(temporary),
-            metadata={key: json.dumps(value) for key, value in metadata.items()},
-        )
-
-
-def load_latents(path: str | Path) -> tuple[torch.Tensor, dict]:
-    """What `save_latents` wrote: the latents and the provenance."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            if LATENTS_KEY not in handle.keys():
-                raise ValueError(f"{path}: no '{LATENTS_KEY}' tensor; it has {list(handle.keys())}")
-            latents = handle.get_tensor(LATENTS_KEY)
-            metadata = {key: json.loads(value) for key, value in handle.metadata().items()}
-    except FileNotFoundError:
-        raise FileNotFoundError(f"reference latents not found: {path}") from None
-    return latents, metadata
 
 
 def frame_deviation(latents: torch.Tensor, reference: torch.Tensor) -> tuple[list, list]:

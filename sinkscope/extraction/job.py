@@ -38,6 +38,7 @@ from sinkscope.workflow.digest import combine, sha256_file
 from sinkscope.workflow.gpus import job_device
 
 from .capture import LogitCapture
+from .latents import save_latents
 from .sampling import Geometry, Schedule, model_calls, rollout
 from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
 from .store_process import RemoteWriter, attention_store_process
@@ -413,8 +414,9 @@ def roll_out(
     device: torch.device,
     dtype: torch.dtype,
     progress: bool,
-) -> None:
-    """Generate the video block by block, capturing what `capture` was asked for."""
+) -> torch.Tensor:
+    """Generate the video block by block, capturing what `capture` was asked for; returns the
+    x0 latents [C, F, H, W]."""
     model.set_capture(capture, capture.layers)
     log.info(
         "rollout (%s sampler): %d blocks x %d passes, capturing layers %s passes %s",
@@ -425,7 +427,7 @@ def roll_out(
         plan.passes,
     )
     try:
-        rollout(
+        latents = rollout(
             model,
             text,
             geometry=plan.geometry,
@@ -443,6 +445,7 @@ def roll_out(
     finally:
         model.set_capture(None)
     log.info("rollout done; finishing the stores")
+    return latents[0]
 
 
 def extract(
@@ -454,10 +457,12 @@ def extract(
     outputs: Sequence[str | Path],
     settings: dict,
     store: str = "tokens",
+    latents: str | Path | None = None,
     progress: bool = True,
 ) -> None:
     """Write one store per layer in `layers` to the matching `outputs` path: a token store
-    (Contract 1) or, with `store="attention"`, an attention store (Contract 4).
+    (Contract 1) or, with `store="attention"`, an attention store (Contract 4); and the
+    rollout's x0 latents to `latents` when given (the survey's, for its video).
 
     settings: `sinkscope.workflow.params.extraction_settings` (checkpoint, sampler, video,
     capture, seed, device). The rollout is the same whichever layers are captured. The job runs on
@@ -491,4 +496,8 @@ def extract(
                 writers[0].frame_seq_length,
                 cfg.head_dim,
             )
-            roll_out(model, text, plan, capture, device=device, dtype=dtype, progress=progress)
+            x0 = roll_out(model, text, plan, capture, device=device, dtype=dtype, progress=progress)
+        if latents is not None:
+            provenance = {**job.provenance, "video": settings["video"], "shape": list(x0.shape)}
+            provenance["block_sizes"] = list(plan.geometry.block_sizes)
+            save_latents(latents, x0.float().cpu(), provenance)

@@ -18,7 +18,13 @@ from sinkscope.cache_choices import (
 )
 from sinkscope.segments import Segment, SegmentError, parse_segments
 from sinkscope.wan.config import WanConfig
-from sinkscope.wan.layout import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, read_model_config
+from sinkscope.wan.layout import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    read_model_config,
+    weight_files,
+)
 from sinkscope.wan.spec import CheckpointSpec
 
 DEMO_DIR = "results/demo"
@@ -343,3 +349,71 @@ def export_layers(config: dict) -> list[int]:
 def export_token_files(config: dict) -> dict[str, str]:
     """EXPORT_TOKEN_FILES, or none when no layer is exported."""
     return dict(EXPORT_TOKEN_FILES) if export_layers(config) else {}
+
+
+# --- videos (Wan's VAE) -------------------------------------------------------------------------
+
+DEMO_VAE_DIR = f"{DEMO_DIR}/vae"  # the demo's tiny VAE, a diffusers folder (rule make_demo_vae)
+VAE_FILE = "Wan2.1_VAE.pth"  # beside the base model, as the family's READMEs lay it out
+VIDEO_SETTINGS = ("closed_loop", "all", "none")
+
+
+def videos_setting(config: dict) -> str:
+    """What is decoded to video (`videos`): the closed loop's rollouts, those and the surveys'
+    (`all`), or nothing."""
+    return config.get("videos", "closed_loop")
+
+
+def vae_path(config: dict, name: str) -> str:
+    """The VAE that decodes checkpoint `name`'s latents: its `vae`, else the shared `vae`, else
+    the demo's VAE for a demo checkpoint, else `Wan2.1_VAE.pth` in its base folder."""
+    own = config["checkpoints"][name].get("vae")
+    if own:
+        return own
+    if config.get("vae"):
+        return config["vae"]
+    if is_demo_checkpoint(config, name):
+        return DEMO_VAE_DIR
+    return f"{Path(checkpoint_spec(config, name).base).as_posix().rstrip('/')}/{VAE_FILE}"
+
+
+def vae_key(config: dict, name: str) -> str:
+    """The config key that decides checkpoint `name`'s VAE, for messages."""
+    if config["checkpoints"][name].get("vae"):
+        return f"checkpoints.{name}.vae"
+    if config.get("vae"):
+        return "vae"
+    return f"checkpoints.{name}"  # the default: Wan2.1_VAE.pth in its base folder
+
+
+def is_demo_vae(path: str) -> bool:
+    return Path(path).as_posix().rstrip("/") == DEMO_VAE_DIR
+
+
+def vae_inputs(path: str) -> list[str]:
+    """The files of a VAE: the file itself (Wan's .pth, a .safetensors), or a diffusers folder's
+    config.json and weights (the folder, or a pipeline folder's vae/)."""
+    if is_demo_vae(path):
+        return [f"{DEMO_VAE_DIR}/{file}" for file in DEMO_WEIGHT_FILES]
+    folder = Path(path)
+    if not folder.is_dir():
+        return [path]
+    if not (folder / CONFIG_NAME).is_file() and (folder / "vae" / CONFIG_NAME).is_file():
+        folder = folder / "vae"
+    try:
+        weights = weight_files(folder)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    return [str(folder / CONFIG_NAME), *map(str, weights)]
+
+
+def video_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs whose closed-loop rollouts are decoded (`videos` not none)."""
+    return closed_loop_runs(config) if videos_setting(config) != "none" else []
+
+
+def survey_video_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs whose survey rollout is decoded (`videos: all`)."""
+    if videos_setting(config) != "all" or not survey_layers(config):
+        return []
+    return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]

@@ -25,9 +25,18 @@ from .entries import (
     closed_loop_runs,
     export_layers,
     survey_layers,
+    survey_video_runs,
     token_layers,
+    video_runs,
 )
-from .resources import gpu_dtype, gpu_memory_bytes, store_geometry
+from .resources import (
+    GPU_DTYPE_BYTES,
+    gpu_dtype,
+    gpu_memory_bytes,
+    store_geometry,
+    vae_base_dim,
+    vae_decode_bytes,
+)
 
 LATENT_CHANNELS = 16
 
@@ -183,7 +192,54 @@ def format_plan(config: dict) -> str:
             f"{_size(parts['weights'])}, KV cache {_size(parts['kv_cache'])}, capture "
             f"{_size(parts['capture'])})"
         )
+    decode = _largest_decode_job(config)
+    if decode is not None:
+        job, rollouts, frames, parts = decode
+        video = config["video"]
+        height, width = video["latent_height"], video["latent_width"]
+        side = "side by side" if rollouts > 1 else "alone"
+        lines.append(
+            f"  VAE decode (estimate, {gpu_dtype(config)}): about {_size(parts['total'])} for "
+            f"{job} at {8 * height} x {8 * width} ({height} x {width} latent), {rollouts} "
+            f"rollout{'s' if rollouts > 1 else ''} of {frames} frames {side} (weights "
+            f"{_size(parts['weights'])}, feature cache {_size(parts['feature_cache'])}, "
+            f"activations {_size(parts['activations'])}, latents {_size(parts['latents'])}; "
+            "all but the latents the same at any length)"
+        )
     return "\n".join(lines)
+
+
+def _largest_decode_job(config: dict) -> tuple[str, int, int, dict] | None:
+    """(job, rollouts, latent frames, `resources.vae_decode_bytes`) of the video job that holds
+    the most GPU memory: per closed-loop run one decodes its rollouts as one batch of
+    closed_loop.num_frames frames, per survey run (`videos: all`) one its rollout of
+    video.num_frames; None when `videos` decodes nothing."""
+    video = config["video"]
+    value_bytes = GPU_DTYPE_BYTES[gpu_dtype(config)]
+    jobs = [
+        ("videos", len(closed_loop_rollouts(config)), config["closed_loop"]["num_frames"], c)
+        for c in dict.fromkeys(c for c, _ in video_runs(config))
+    ] + [
+        ("survey_video", 1, video["num_frames"], c)
+        for c in dict.fromkeys(c for c, _ in survey_video_runs(config))
+    ]
+    estimates = [
+        (
+            f"{rule} {name}",
+            rollouts,
+            frames,
+            vae_decode_bytes(
+                video["latent_height"],
+                video["latent_width"],
+                base_dim=vae_base_dim(config, name),
+                value_bytes=value_bytes,
+                batch=rollouts,
+                num_frames=frames,
+            ),
+        )
+        for rule, rollouts, frames, name in jobs
+    ]
+    return max(estimates, key=lambda e: e[3]["total"], default=None)
 
 
 def _largest_gpu_job(config: dict) -> tuple[str, dict] | None:

@@ -28,14 +28,22 @@ from .entries import (
     checkpoint_inputs,
     is_demo_checkpoint,
     is_demo_encoder,
+    is_demo_vae,
     merge_prompts_file,
     model_config,
     prompt_embeddings,
     prompt_segments,
     prompt_text,
     read_prompts_file,
+    survey_video_runs,
     uses_text_encoder,
+    vae_inputs,
+    vae_key,
+    vae_path,
+    video_runs,
 )
+
+VAE_Z_DIM = 16  # Wan2.1's VAE: the latent channels it decodes
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -77,6 +85,7 @@ def file_problems(config: dict, merged: list[str] | None = None) -> list[str]:
     the problems of the merge)."""
     return [
         *_checkpoint_problems(config),
+        *_vae_problems(config),
         *_text_encoder_problems(config),
         *(merged or []),
         *_prompt_problems(config),
@@ -250,6 +259,71 @@ def _checkpoint_problems(config: dict) -> list[str]:
                 problem, which = safetensors_header(path)[1], "base"
             if problem:
                 problems.append(f"{key}.{which}: {problem}")
+    return problems
+
+
+def _vae_folder_problem(path: Path) -> str | None:
+    """A diffusers VAE config.json: JSON, an AutoencoderKLWan of z_dim 16."""
+    try:
+        values = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{path}: not valid JSON ({err})"
+    if not isinstance(values, dict):
+        return f"{path}: not a JSON object but a {type(values).__name__}"
+    kind = values.get("_class_name", "AutoencoderKLWan")
+    if kind != "AutoencoderKLWan":
+        return f"{path}: a {kind}, not Wan's VAE (diffusers' AutoencoderKLWan)"
+    if values.get("z_dim", VAE_Z_DIM) != VAE_Z_DIM:
+        return f"{path}: a VAE of z_dim {values['z_dim']}; Wan2.1's has z_dim {VAE_Z_DIM}"
+    return None
+
+
+def _vae_problems(config: dict) -> list[str]:
+    """The VAE of every checkpoint whose rollouts are decoded (`videos`): there, readable
+    headers, and a DiT whose latents have the VAE's 16 channels. Each VAE once."""
+    try:
+        runs = [*video_runs(config), *survey_video_runs(config)]
+    except ConfigError:  # a checkpoint's config.json, which _checkpoint_problems reports
+        runs = video_runs(config)
+    problems, seen = [], set()
+    for name in dict.fromkeys(c for c, _ in runs):
+        path = vae_path(config, name)
+        key = vae_key(config, name)
+        try:
+            channels = model_config(config, name).out_dim
+        except ConfigError:  # reported by _checkpoint_problems
+            channels = VAE_Z_DIM
+        if channels != VAE_Z_DIM:
+            problems.append(
+                f"{key}: Wan2.1's VAE decodes {VAE_Z_DIM} latent channels; checkpoints.{name} "
+                f"makes {channels} (out_dim): set videos: none"
+            )
+        if is_demo_vae(path) or path in seen:
+            continue
+        seen.add(path)
+        if not Path(path).exists():
+            problems.append(
+                f"{key}: VAE not found (Wan2.1_VAE.pth beside base unless vae or "
+                f"checkpoints.<name>.vae names one; videos: none decodes nothing): {path}"
+            )
+            continue
+        try:
+            files = [Path(file) for file in vae_inputs(path)]
+        except ConfigError as err:
+            problems.append(f"{key}: {err}")
+            continue
+        for file in files:
+            if not file.is_file():
+                problems.append(f"{key}: VAE file not found: {file}")
+            elif file.name == CONFIG_NAME:
+                problem = _vae_folder_problem(file)
+                problems += [f"{key}: {problem}"] if problem else []
+            elif file.suffix == ".safetensors":
+                problem = safetensors_header(file)[1]
+                problems += [f"{key}: {problem}"] if problem else []
+            else:
+                problem = torch_file_problem(file)
+                problems += [f"{key}: {problem}"] if problem else []
     return problems
 
 

@@ -9,10 +9,13 @@ No torch here: this runs when the workflow is parsed.
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from sinkscope.frames import (
     attention_store_bytes,
@@ -23,14 +26,17 @@ from sinkscope.frames import (
 )
 from sinkscope.passes import resolve_passes
 from sinkscope.schedules import ROLLING_CACHE_FRAMES, denoising_steps
+from sinkscope.wan.layout import CONFIG_NAME
 
 from .entries import (
     closed_loop_policy,
     closed_loop_rollouts,
+    is_demo_vae,
     model_config,
     sampler_settings,
     survey_layers,
     token_passes,
+    vae_path,
 )
 from .params import extraction_gpus, prompt_encoder
 
@@ -167,6 +173,21 @@ def closed_loop_runtime(config: dict, name: str) -> int:
     return 2 * EXTRACT_SETUP_MINUTES + math.ceil(seconds / 60)
 
 
+# A decoded, scored and encoded pixel frame of one rollout, at 480 x 832, at worst: the CPU's
+# H.264 encode and SSIM (about 50 frames/s on 2 CPU cores at the demo's 64 x 96, 65 times
+# fewer pixels).
+DECODE_FRAMES_PER_SECOND = 5
+DECODE_MEM_MB = 8000  # CPU side: the latents, one chunk of frames per rollout, the encoders
+
+
+def video_runtime(config: dict, rollouts: int, latent_frames: int) -> int:
+    """Minutes: a decode job of `rollouts` videos of `latent_frames` latent frames (setup, then
+    DECODE_FRAMES_PER_SECOND pixel frames a second per rollout)."""
+    pixel_frames = 1 + 4 * (latent_frames - 1)
+    seconds = rollouts * pixel_frames / DECODE_FRAMES_PER_SECOND
+    return EXTRACT_SETUP_MINUTES + math.ceil(seconds / 60)
+
+
 def export_runtime(config: dict, name: str, layers: Sequence[int]) -> int:
     """Minutes: the token-sized exports of `layers` (scratch, then the file) at WRITE_MB_PER_S;
     one head's softmax over the last block takes about a second."""
@@ -270,6 +291,170 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
         * model.ffn_dim
         * value_bytes,
         "overhead": GPU_OVERHEAD_BYTES,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# --- the VAE decode (rule videos) --------------------------------------------------------------
+
+# Wan2.1's VAE (`sinkscope.wan.vae.WAN21_VAE_CONFIG`: diffusers' AutoencoderKLWan) at base_dim C:
+# the decoder's levels run at 4C, 4C, 4C, 2C, C channels from the latent resolution up, each up
+# block 3 residual blocks, the first two blocks' upsamplers temporal (x2 frames) and spatial, the
+# third's spatial only, the fourth at full resolution (8x the latent's height and width).
+VAE_BASE_DIM = 96
+VAE_Z_DIM = 16
+VAE_DIM_MULT = (1, 2, 4, 4)
+VAE_RES_BLOCKS = 2
+VAE_TEMPORAL_DOWN = (False, True, True)  # the encoder's; the decoder's is its reverse
+VAE_CACHE_FRAMES = 2  # diffusers' CACHE_T: a causal conv keeps the last 2 frames of its input
+VAE_CALL_FRAMES = 4  # pixel frames of one decoder call (one latent frame) past the first
+# float32 values of the decode whatever the VAE's dtype: WanUpsample upsamples in float32.
+FLOAT32 = 4
+
+
+def _conv(c_in: int, c_out: int, kernel: int) -> int:
+    return c_in * c_out * kernel + c_out
+
+
+def _residual_block(c_in: int, c_out: int) -> int:
+    """Two RMS-norm gains, two 3x3x3 causal convs, and a 1x1x1 shortcut conv between widths."""
+    shortcut = _conv(c_in, c_out, 1) if c_in != c_out else 0
+    return c_in + _conv(c_in, c_out, 27) + c_out + _conv(c_out, c_out, 27) + shortcut
+
+
+def _mid_block(dim: int) -> int:
+    attention = dim + _conv(dim, 3 * dim, 1) + _conv(dim, dim, 1)  # norm, qkv, projection
+    return 2 * _residual_block(dim, dim) + attention
+
+
+def _decoder_dims(base_dim: int) -> list[tuple[int, int]]:
+    """(input, output) channels of the decoder's 4 up blocks, from the latent resolution up:
+    Wan2.1's upsamplers halve the channels, so each block after the first takes half of the
+    previous block's output."""
+    dims = [base_dim * m for m in (VAE_DIM_MULT[-1], *VAE_DIM_MULT[::-1])]
+    return [
+        (c_in if i == 0 else c_in // 2, c_out)
+        for i, (c_in, c_out) in enumerate(itertools.pairwise(dims))
+    ]
+
+
+def vae_parameters(base_dim: int = VAE_BASE_DIM) -> int:
+    """Parameters of Wan2.1's VAE at `base_dim` (126,892,531 at 96; encoder and decoder: a job
+    loads both), counted from its shapes without building it."""
+    z, temporal_up = VAE_Z_DIM, VAE_TEMPORAL_DOWN[::-1]
+    dims = [base_dim * m for m in (1, *VAE_DIM_MULT)]
+    encoder = _conv(3, base_dim, 27) + _mid_block(dims[-1]) + dims[-1] + _conv(dims[-1], 2 * z, 27)
+    for i, (c_in, c_out) in enumerate(itertools.pairwise(dims)):
+        inputs = [c_in] + [c_out] * (VAE_RES_BLOCKS - 1)
+        encoder += sum(_residual_block(c, c_out) for c in inputs)
+        if i != len(VAE_DIM_MULT) - 1:
+            encoder += _conv(c_out, c_out, 9)
+            encoder += _conv(c_out, c_out, 3) if VAE_TEMPORAL_DOWN[i] else 0
+    decoder = _conv(z, dims[-1], 27) + _mid_block(dims[-1]) + base_dim + _conv(base_dim, 3, 27)
+    for i, (c_in, c_out) in enumerate(_decoder_dims(base_dim)):
+        decoder += _residual_block(c_in, c_out) + VAE_RES_BLOCKS * _residual_block(c_out, c_out)
+        if i != len(VAE_DIM_MULT) - 1:
+            decoder += _conv(c_out, c_out // 2, 9)
+            decoder += _conv(c_out, 2 * c_out, 3) if temporal_up[i] else 0
+    return encoder + _conv(2 * z, 2 * z, 1) + decoder + _conv(z, z, 1)
+
+
+def vae_cached_channels(base_dim: int = VAE_BASE_DIM) -> dict[int, int]:
+    """Spatial scale (1, 2, 4, 8 x the latent's height and width) -> the input channels of the
+    decoder's causal convs at that scale, summed: what its feature cache holds per frame and
+    latent pixel's worth of area. At the latent scale: conv_in (z_dim), the mid block's and the
+    first up block's residual blocks (2 convs each) and its temporal upsampler's time conv; at
+    each scale up, that up block's residual blocks (and time conv); conv_out at full scale. The
+    1x1x1 shortcut convs cache nothing."""
+    temporal_up = VAE_TEMPORAL_DOWN[::-1]
+    top = _decoder_dims(base_dim)[0][0]
+    channels = {1: VAE_Z_DIM + 2 * 2 * top}  # conv_in, the mid block's 2 residual blocks
+    for i, (c_in, c_out) in enumerate(_decoder_dims(base_dim)):
+        blocks = (c_in + c_out) + VAE_RES_BLOCKS * 2 * c_out  # conv1 and conv2 inputs
+        time_conv = c_out if i < len(temporal_up) and temporal_up[i] else 0
+        channels[2**i] = channels.get(2**i, 0) + blocks + time_conv
+    channels[8] += base_dim  # conv_out
+    return channels
+
+
+def vae_base_dim(config: dict, name: str) -> int:
+    """The base_dim of the VAE that decodes checkpoint `name`'s videos: the demo VAE's
+    (`demo.vae.base_dim`), a diffusers folder's config.json's, else Wan2.1's 96 (its .pth)."""
+    path = vae_path(config, name)
+    if is_demo_vae(path):
+        return int(config.get("demo", {}).get("vae", {}).get("base_dim", 1))
+    folder = Path(path)
+    for file in (folder / CONFIG_NAME, folder / "vae" / CONFIG_NAME):
+        if file.is_file():
+            try:
+                return int(json.loads(file.read_text()).get("base_dim", VAE_BASE_DIM))
+            except (OSError, ValueError, TypeError, AttributeError):
+                break  # the job's loader names what is wrong with it
+    return VAE_BASE_DIM
+
+
+def vae_decode_bytes(
+    latent_height: int,
+    latent_width: int,
+    *,
+    base_dim: int = VAE_BASE_DIM,
+    value_bytes: int = 2,
+    batch: int = 1,
+    num_frames: int = 0,
+) -> dict:
+    """An estimate of the peak memory of the streaming decode (`wan.vae.iter_decoded_pixels`:
+    one latent frame a decoder call) of `batch` videos side by side (the decode job stacks a
+    run's rollouts) of latents `latent_height` x `latent_width`, by part (bytes), with values of
+    `value_bytes` (2: bf16, 4: fp32):
+
+    - `weights`: the whole VAE (`vae_parameters`: the job loads the encoder too);
+    - `feature_cache`: 2 frames of every causal conv's input at its scale
+      (`vae_cached_channels`) per video: the same at any length;
+    - `activations`: the largest transient of one call, at full resolution with its 4 pixel
+      frames of C = base_dim channels. In a residual block's conv, 24 frames of C channels: the
+      up block's input (which the decoder holds), the block's input (kept for the shortcut),
+      its normalised copy, the conv's new cache (2 frames), its input with the old cache (6
+      frames, padded by a pixel) and its output; or in the upsampler into full resolution, 3
+      copies of its 2C-channel input at a quarter of the area, the 2C x 4 frames upsampled in
+      float32 (WanUpsample's), then their copy in the VAE's dtype or the conv's output: the
+      larger of the two. Plus the conv library's copy of that padded input (6 frames: oneDNN
+      reorders it on a CPU, where the decode measured it; an allowance for cuDNN's workspace);
+    - `output`: one call's 4 pixel frames (3 channels): the decoder's output and its clamp in the
+      VAE's dtype, two float32 temporaries of `frames_to_uint8` and the uint8 frames;
+    - `latents` (with `num_frames`): `post_quant_conv` of the whole latents, which the decode
+      holds in the VAE's dtype throughout (16 values a latent pixel and frame). At its start,
+      before the cache fills, 3 float32 copies of them are made while they are de-normalised:
+      not counted (smaller unless a batch is thousands of frames long).
+
+    `total` sums them; the allocator's rounding and the CUDA context come on top. No torch:
+    parse time. `benchmarks/README.md` compares it with what decodes held (vae_stream.py
+    --estimate on a CPU, gpu.py on a GPU)."""
+    area = latent_height * latent_width
+    pixels = 64 * area  # per pixel frame at full resolution
+    padded = (8 * latent_height + 2) * (8 * latent_width + 2)
+    frame = base_dim * pixels  # values of one full-resolution frame of the last level
+    call, cached = VAE_CALL_FRAMES, VAE_CACHE_FRAMES
+    # up block input, block input, its SiLU, new cache, output; the padded input with the cache
+    block = (4 * call + cached) * frame + (call + cached) * base_dim * padded
+    upsampled = 2 * call * frame  # 2C channels, 4 frames, full resolution
+    upsample = (
+        3 * upsampled // 4 * value_bytes  # its input: the up block's, the block's, permuted
+        + upsampled * FLOAT32
+        + (upsampled * value_bytes if value_bytes < FLOAT32 else upsampled // 2 * FLOAT32)
+    )
+    workspace = (call + cached) * base_dim * padded * value_bytes
+    channels = vae_cached_channels(base_dim)
+    parts = {
+        "weights": vae_parameters(base_dim) * value_bytes,
+        "feature_cache": batch
+        * cached
+        * area
+        * sum(c * scale * scale for scale, c in channels.items())
+        * value_bytes,
+        "activations": batch * (max(block * value_bytes, upsample) + workspace),
+        "output": batch * 3 * call * pixels * (2 * value_bytes + 2 * FLOAT32 + 1),
+        "latents": batch * VAE_Z_DIM * num_frames * area * value_bytes,
     }
     parts["total"] = sum(parts.values())
     return parts

@@ -1,8 +1,8 @@
 """`render_figures`: the one entry point the figure scripts call. It opens the zarr stores (frame
-datasets, and for the whole-model survey the attention stores of Contract 4) and the tables,
-checks every request before the first file is written, and hands each file of the rules'
-outputs to the function the registry (`sinkscope.analysis.figures`) names for its kind, in the
-kind's family module.
+datasets, and for the whole-model survey the attention stores of Contract 4), the tables and the
+decoded videos, checks every request before the first file is written, and hands each file of
+the rules' outputs to the function the registry (`sinkscope.analysis.figures`) names for its
+kind, in the kind's family module.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from sinkscope.analysis.diagnostics import read_block_diagnostics
 from sinkscope.analysis.policies import read_policies
 from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.analysis.switches import read_switch_table
+from sinkscope.video_metrics import read_video_metrics
 
-from . import closed_loop, compare, policy, run, survey
+from . import closed_loop, compare, policy, run, survey, video
 from .common import (
     by_layer,
     check_options,
@@ -94,6 +95,8 @@ def render_figures(
     closed_loop_summary: str | os.PathLike | None = None,
     closed_loop_blocks: str | os.PathLike | None = None,
     closed_loop_switches: str | os.PathLike | None = None,
+    video_tables: Sequence[str | os.PathLike] = (),
+    videos: Sequence[str | os.PathLike] = (),
     train_frames: int | None = None,
     annotate: Sequence[str] = ("max",),
     titles: bool = True,
@@ -120,7 +123,13 @@ def render_figures(
     the frame tables and the block table `closed_loop_blocks` (`results/closed_loop/blocks.csv`),
     the switch figure the switch table `closed_loop_switches` (`results/closed_loop/switches.csv`),
     with the training length `train_frames` (latent frames) marked; they need no frame dataset
-    either.
+    either. Video figures (`results/figures/{checkpoint}/{prompt}/video_{kind}.{fmt}`: the run is
+    the file's last two folder names) draw that run's rows of the video metrics `video_tables`
+    (`results/videos/{checkpoint}/{prompt}/metrics.csv`, or the stacked one), its decoded rollouts
+    among `videos` (`results/videos/{checkpoint}/{prompt}/{rollout}.mp4`: the run from the
+    folders, the rollout from the file's stem) and its rows of the deviation tables and the block
+    table, which every rollout but the survey's needs; the strip needs a video of every rollout
+    of the metrics, with a frame for each of its rows.
 
     Options for a paper (`figures` in the config): `annotate` ('max', 'min': what figure4
     annotates), `titles` (False: titles leave out the run's checkpoint, prompt and timestep,
@@ -136,7 +145,7 @@ def render_figures(
     datasets = [open_frame_dataset(path) for path in frame_stores]
     # The frame datasets of the layer, run and compare figures (the survey picks its own).
     shown = _of_layers(datasets, figure_layers)
-    if not datasets and any(kind.scope not in ("policies", "closed_loop") for kind in kinds):
+    if not datasets and any(kind.scope not in figures.TABLE_SCOPES for kind in kinds):
         raise ValueError("no frame datasets given")
     tables = _closed_loop_tables(
         kinds,
@@ -146,6 +155,7 @@ def render_figures(
         closed_loop_blocks,
         closed_loop_switches,
     )
+    video_inputs = _video_inputs(plan, video_tables, videos, tables)
     attention = [open_attention_store(path, key_tokens=True) for path in attention_stores]
     for ds in datasets:
         select_step(ds, step)
@@ -214,6 +224,10 @@ def render_figures(
             data = table
         elif kind.scope == "closed_loop":
             data = tables[closed_loop.TABLES[kind.function]]
+        elif kind.scope == "video":  # the run's own rows, in place of every run's
+            inputs = video_inputs[path]
+            data = inputs["table"]
+            kwargs |= {name: inputs[name] for name in VIDEO_INPUTS if name in _accepted(kind)}
         else:
             data = _datasets_for(kind.layers, shown, heads)
         written.append(save_figure(builder_of(kind)(data, **kwargs), path, fmt))
@@ -228,13 +242,23 @@ def _closed_loop_tables(
     blocks: str | os.PathLike | None = None,
     switches: str | os.PathLike | None = None,
 ) -> dict[str, pd.DataFrame]:
-    """The tables the closed-loop kinds of `kinds` draw, read and checked (none else); `blocks`:
-    the block table, for the kinds that take it (`blocks`); `switches`: the switch table."""
+    """The tables the closed-loop kinds of `kinds` draw, read and checked (none else), and the
+    video kinds (the frame tables and the block table: the policies' caches and collapse
+    candidates); `blocks`: the block table, for the kinds that take it (`blocks`); `switches`:
+    the switch table."""
     wanted = {closed_loop.TABLES[kind.function] for kind in kinds if kind.scope == "closed_loop"}
+    videos = any(kind.scope == "video" for kind in kinds)
+    if videos and not deviation_tables:
+        raise ValueError(
+            "video figures need the run's closed-loop frame tables (deviation_tables): the "
+            "policies' caches and latent sink distances"
+        )
+    if videos and blocks is None:
+        raise ValueError("video figures need the closed-loop block table (blocks.csv)")
     if train_frames is not None and (int(train_frames) != train_frames or train_frames < 1):
         raise ValueError(f"train_frames must be a whole number >= 1, got {train_frames!r}")
     tables = {}
-    if "deviation" in wanted:
+    if "deviation" in wanted or videos:
         if not deviation_tables:
             raise ValueError("closed-loop deviation figures need the deviation tables")
         tables["deviation"] = read_deviation(list(deviation_tables))
@@ -243,7 +267,7 @@ def _closed_loop_tables(
             raise ValueError("closed-loop recall figures need the closed-loop summary")
         tables["summary"] = read_closed_loop_summary(summary)
         closed_loop.closed_loop_runs(tables["summary"], "summary")
-    if any(kind.scope == "closed_loop" and "blocks" in _accepted(kind) for kind in kinds):
+    if videos or any(kind.scope == "closed_loop" and "blocks" in _accepted(kind) for kind in kinds):
         if blocks is None:
             raise ValueError("closed-loop collapse figures need the block table (blocks.csv)")
         tables["blocks"] = read_block_diagnostics(blocks)
@@ -252,6 +276,44 @@ def _closed_loop_tables(
             raise ValueError("closed-loop switch figures need the switch table (switches.csv)")
         tables["switches"] = read_switch_table(switches)
     return tables
+
+
+VIDEO_INPUTS = ("videos", "deviation", "blocks")  # what a video builder takes of its run
+
+
+def _video_inputs(
+    plan: Sequence[tuple[Path, figures.FigureKind, int | None, str]],
+    video_tables: Sequence[str | os.PathLike],
+    videos: Sequence[str | os.PathLike],
+    tables: dict[str, pd.DataFrame],
+) -> dict[Path, dict[str, object]]:
+    """Per video file of `plan`, what its builder gets (`video.video_run_inputs`: the run's video
+    metrics `table` first, its `videos`, `deviation` and `blocks`), checked; none without video
+    files. A video names its run and rollout: `.../{checkpoint}/{prompt}/{rollout}.mp4`."""
+    wanted = [(path, kind) for path, kind, _, _ in plan if kind.scope == "video"]
+    if not wanted:
+        return {}
+    if not video_tables:
+        raise ValueError("video figures need the video metrics tables (video_tables)")
+    metrics = read_video_metrics(list(video_tables))
+    by_rollout: dict[tuple[str, str, str], Path] = {}
+    for given in map(Path, videos):
+        key = (given.parent.parent.name, given.parent.name, given.stem)
+        if key in by_rollout:
+            raise ValueError(f"{given}: a second video of {key[0]}/{key[1]} {key[2]}")
+        by_rollout[key] = given
+    return {
+        path: video.video_run_inputs(
+            str(path),
+            (path.parent.parent.name, path.parent.name),
+            metrics,
+            by_rollout,
+            tables["deviation"],
+            tables["blocks"],
+            need_videos="videos" in _accepted(kind),
+        )
+        for path, kind in wanted
+    }
 
 
 def _accepted(kind: figures.FigureKind) -> set[str]:
@@ -266,6 +328,7 @@ FAMILIES: dict[str, ModuleType] = {
     "survey": survey,
     "policy": policy,
     "closed_loop": closed_loop,
+    "video": video,
 }
 
 

@@ -52,6 +52,7 @@ they come (keeping the previous frame, and the sink frames until the last of the
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,8 +71,7 @@ SSIM_SETTINGS = {
     "use_sample_covariance": False,
 }
 
-# The tables' columns (docs/DATA.md), here while only this module reads them; they join
-# `sinkscope.tables` when a GPU job writes the table.
+# One rollout's per-frame columns (`VideoMetricAccumulator.table`).
 VIDEO_METRIC_COLUMNS = [
     "rollout",
     "pixel_frame",
@@ -103,6 +103,14 @@ VIDEO_DRIFT_COLUMNS = [
     "flicker_mean",
     "flicker_score",
 ]
+# What names a decoded rollout in the tables the workflow writes: its run, its name (the video's
+# file stem: a closed-loop policy, `full`, or `survey`) and how figures label it.
+VIDEO_KEYS = ["checkpoint", "prompt", "rollout", "label"]
+# results/videos/{checkpoint}/{prompt}/metrics.csv and results/videos/metrics.csv (docs/DATA.md)
+VIDEO_TABLE_COLUMNS = VIDEO_KEYS + VIDEO_METRIC_COLUMNS[1:]
+# results/videos/drift.csv
+VIDEO_DRIFT_TABLE_COLUMNS = VIDEO_KEYS + VIDEO_DRIFT_COLUMNS[1:]
+_TEXT_COLUMNS = {"checkpoint": str, "prompt": str, "rollout": str, "label": str}
 
 
 # --- the frame layout ---------------------------------------------------------------------------
@@ -390,8 +398,9 @@ def quality_drift(
     the first and of the last `drift_window` pixel frames, their absolute difference (the
     quality drift as Rolling Forcing reports it, first 5 s against last 5 s, here of sharpness)
     and last / first - 1; the mean flicker and VBench's score of it, (255 - mean) / 255."""
+    keys = [key for key in VIDEO_KEYS if key in table.columns]
     rows = []
-    for rollout, frames in table.groupby("rollout", sort=False):
+    for key, frames in table.groupby(keys, sort=False):
         frames = frames.sort_values("pixel_frame")
         window = drift_window(len(frames), fps, seconds)
         sharpness = frames["sharpness"].to_numpy(dtype=np.float64)
@@ -401,7 +410,7 @@ def quality_drift(
         flicker_mean = float(flicker.mean()) if flicker.size else np.nan
         rows.append(
             {
-                "rollout": rollout,
+                **dict(zip(keys, key, strict=True)),
                 "pixel_frames": len(frames),
                 "window_frames": window,
                 "sharpness_first": first,
@@ -412,4 +421,51 @@ def quality_drift(
                 "flicker_score": (255.0 - flicker_mean) / 255.0,
             }
         )
-    return pd.DataFrame(rows, columns=VIDEO_DRIFT_COLUMNS)
+    return pd.DataFrame(rows, columns=keys + VIDEO_DRIFT_COLUMNS[1:])
+
+
+def read_video_metrics(paths) -> pd.DataFrame:
+    """The per-frame tables `paths` (`VIDEO_TABLE_COLUMNS`, a run's or the stacked one), stacked;
+    a missing column, no rows or a (run, rollout, pixel frame) given twice is refused, the file
+    named."""
+    paths = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    tables = []
+    for path in paths:
+        try:
+            table = pd.read_csv(path, dtype=_TEXT_COLUMNS, keep_default_na=False, na_values=[""])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"video metrics not found: {path}") from None
+        missing = [column for column in VIDEO_TABLE_COLUMNS if column not in table.columns]
+        if missing:
+            raise ValueError(
+                f"{path}: no columns {missing} (a video metrics table has {VIDEO_TABLE_COLUMNS})"
+            )
+        if table.empty:
+            raise ValueError(f"{path}: no rows")
+        tables.append(table[VIDEO_TABLE_COLUMNS])
+    if not tables:
+        raise ValueError("no video metrics tables given")
+    stacked = pd.concat(tables, ignore_index=True)
+    twice = stacked.duplicated(["checkpoint", "prompt", "rollout", "pixel_frame"])
+    if twice.any():
+        row = stacked[twice].iloc[0]
+        raise ValueError(
+            f"{row['checkpoint']}/{row['prompt']} rollout {row['rollout']} frame "
+            f"{row['pixel_frame']} is in the video metrics twice ({[str(p) for p in paths]})"
+        )
+    return stacked
+
+
+def write_video_tables(
+    paths, metrics: str | os.PathLike, drift: str | os.PathLike, *, fps: float = FPS
+) -> pd.DataFrame:
+    """The runs' per-frame tables `paths` stacked into `metrics` (results/videos/metrics.csv)
+    and their quality drift, one row per rollout, into `drift` (results/videos/drift.csv),
+    each atomically; returns the stacked table."""
+    from sinkscope.storage import write_text_atomically
+
+    table = read_video_metrics(paths)
+    write_text_atomically(metrics, table.to_csv(index=False))
+    drifts = quality_drift(table, fps=fps)
+    write_text_atomically(drift, drifts[VIDEO_DRIFT_TABLE_COLUMNS].to_csv(index=False))
+    return table
