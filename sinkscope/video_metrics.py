@@ -40,11 +40,11 @@ they come (keeping the previous frame, and the sink frames until the last of the
   copies the sinks (LoL's visible collapse).
 - `psnr`: 10 log10(255^2 / MSE) against the reference's frame, MSE over pixels and channels; inf
   for identical frames (the CSV holds `inf`, which pandas reads back as float inf).
-- `ssim`: scikit-image's `structural_similarity(ref, frame, channel_axis=-1, data_range=255,
-  gaussian_weights=True, sigma=1.5, use_sample_covariance=False)`, Wang et al.'s (2004) settings:
-  an 11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, population covariances; the SSIM
-  map's mean over the frame less a 5-pixel border, per RGB channel, averaged over the channels
-  (Wang et al. use grey). Frames need at least 11 x 11 pixels.
+- `ssim`: scikit-image's `structural_similarity(grey(ref), grey(frame), data_range=255,
+  gaussian_weights=True, sigma=1.5, use_sample_covariance=False)`, Wang et al.'s (2004) SSIM of
+  the luminance: an 11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, population
+  covariances; the SSIM map's mean over the grey frame (BT.601, as `sharpness`) less a 5-pixel
+  border. Frames need at least 11 x 11 pixels.
 
 `psnr` and `ssim` are NaN without a reference.
 """
@@ -64,7 +64,6 @@ FPS = 16  # Wan's decoded frame rate
 DRIFT_SECONDS = 5  # Rolling Forcing compares the first and the last 5 s
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601 grey
 SSIM_SETTINGS = {
-    "channel_axis": -1,
     "data_range": 255,
     "gaussian_weights": True,
     "sigma": 1.5,
@@ -216,12 +215,13 @@ def psnr(frame: np.ndarray, reference: np.ndarray) -> float:
 
 
 def ssim(frame: np.ndarray, reference: np.ndarray) -> float:
-    """scikit-image's SSIM with Wang et al.'s settings (`SSIM_SETTINGS`), the mean over the RGB
-    channels; frames of at least 11 x 11 pixels."""
+    """scikit-image's SSIM with Wang et al.'s settings (`SSIM_SETTINGS`) of the grey frames
+    (`grey`, unrounded, 0-255), as Wang et al. define it on luminance (a third of the work of
+    three channels); frames of at least 11 x 11 pixels."""
     from skimage.metrics import structural_similarity
 
     frame, reference = _check_pair(frame, reference)
-    return float(structural_similarity(reference, frame, **SSIM_SETTINGS))
+    return float(structural_similarity(grey(reference), grey(frame), **SSIM_SETTINGS))
 
 
 # --- a rollout ----------------------------------------------------------------------------------
