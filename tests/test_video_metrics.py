@@ -251,6 +251,7 @@ def test_ssim_against_an_independent_computation():
     x = rng.integers(0, 256, (16, 20, 3), dtype=np.uint8)
     y = np.clip(x.astype(np.int16) + rng.integers(-40, 41, x.shape), 0, 255).astype(np.uint8)
     assert vm.ssim(x, x) == pytest.approx(1.0)
+
     # of the BT.601 grey frames, unrounded
     def luma(f):
         return f.astype(np.float64) @ np.array([0.299, 0.587, 0.114])

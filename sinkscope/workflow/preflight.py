@@ -170,15 +170,23 @@ def torch_file_problem(path: Path) -> str | None:
     return None
 
 
-def _config_json_problem(path: Path) -> str | None:
-    """A DiT config.json that is not JSON, not an object, lacks the keys that fix the model's
-    shape, or that the model cannot take (unknown keys, an image-to-video model ...)."""
+def _json_object(path: Path) -> tuple[dict | None, str | None]:
+    """(the JSON object in `path`, None), or (None, what is wrong)."""
     try:
         values = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return f"{path}: not valid JSON ({err})"
+        return None, f"{path}: not valid JSON ({err})"
     if not isinstance(values, dict):
-        return f"{path}: not a JSON object but a {type(values).__name__}"
+        return None, f"{path}: not a JSON object but a {type(values).__name__}"
+    return values, None
+
+
+def _config_json_problem(path: Path) -> str | None:
+    """A DiT config.json that is not JSON, not an object, lacks the keys that fix the model's
+    shape, or that the model cannot take (unknown keys, an image-to-video model ...)."""
+    values, problem = _json_object(path)
+    if problem:
+        return problem
     required = REQUIRED_DIFFUSERS_KEYS if is_diffusers(values) else REQUIRED_MODEL_KEYS
     missing = [key for key in required if key not in values]
     if missing:
@@ -264,12 +272,9 @@ def _checkpoint_problems(config: dict) -> list[str]:
 
 def _vae_folder_problem(path: Path) -> str | None:
     """A diffusers VAE config.json: JSON, an AutoencoderKLWan of z_dim 16."""
-    try:
-        values = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return f"{path}: not valid JSON ({err})"
-    if not isinstance(values, dict):
-        return f"{path}: not a JSON object but a {type(values).__name__}"
+    values, problem = _json_object(path)
+    if problem:
+        return problem
     kind = values.get("_class_name", "AutoencoderKLWan")
     if kind != "AutoencoderKLWan":
         return f"{path}: a {kind}, not Wan's VAE (diffusers' AutoencoderKLWan)"
