@@ -116,6 +116,13 @@ def video_frames_of_latent(latent_frame: int) -> range:
     return range(4 * latent_frame - 3, 4 * latent_frame + 1)
 
 
+def pixel_frame_count(num_latent_frames: int) -> int:
+    """Pixel frames Wan's causal VAE decodes from F latent frames: 1 + 4(F - 1)."""
+    if num_latent_frames < 1:
+        raise ValueError(f"need at least one latent frame, got {num_latent_frames}")
+    return 1 + 4 * (num_latent_frames - 1)
+
+
 def video_frame_centers(num_latent_frames: int) -> np.ndarray:
     """Mean video frame index of each latent frame: where to draw it on a video-frame axis."""
     return np.array(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from sinkscope.frames import pixel_frame_count
+
 MAX_WIDTH = 1920  # the composed frame's width at most (a full-HD screen)
 MIN_TILE_WIDTH = 192  # tiles narrower than this are enlarged (whole multiples)
 BACKGROUND = (16, 16, 16)
@@ -119,8 +121,7 @@ class GridComposer:
 def frame_counter(latent_frame: int, latent_frames: int, pixel_frame: int, fps: float) -> str:
     """The header's counter: 'latent 12 / 42 · frame 45 / 165 · 2.81 s' (1-based counts, the
     time of the pixel frame from 0)."""
-    pixel_frames = 1 + 4 * (latent_frames - 1)
     return (
         f"latent {latent_frame + 1} / {latent_frames} · frame {pixel_frame + 1} / "
-        f"{pixel_frames} · {pixel_frame / fps:.2f} s"
+        f"{pixel_frame_count(latent_frames)} · {pixel_frame / fps:.2f} s"
     )

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from sinkscope.frames import block_of_frame, video_frames_of_latent
+from sinkscope.frames import block_of_frame, pixel_frame_count, video_frames_of_latent
 
 FPS = 16  # Wan's decoded frame rate
 DRIFT_SECONDS = 5  # Rolling Forcing compares the first and the last 5 s
@@ -113,13 +113,6 @@ _TEXT_COLUMNS = {"checkpoint": str, "prompt": str, "rollout": str, "label": str}
 
 
 # --- the frame layout ---------------------------------------------------------------------------
-
-
-def pixel_frame_count(num_latent_frames: int) -> int:
-    """Pixel frames Wan's causal VAE decodes from F latent frames: 1 + 4(F - 1)."""
-    if num_latent_frames < 1:
-        raise ValueError(f"need at least one latent frame, got {num_latent_frames}")
-    return 1 + 4 * (num_latent_frames - 1)
 
 
 def pixel_frame_layout(block_sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

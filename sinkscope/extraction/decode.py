@@ -42,16 +42,16 @@ from sinkscope.wan.precision import model_dtype
 from sinkscope.wan.vae import iter_decoded_batch, load_wan_vae
 from sinkscope.workflow.gpus import job_device
 
-from .latents import load_latents
+from .latents import load_latents, read_latents_metadata
 
 log = logging.getLogger(__name__)
 
 FULL = "full"  # the full-cache rollout: the reference of PSNR and SSIM
 SURVEY = "survey"  # the survey's rollout (`videos: all`)
-# The frame table's columns this job reads (Contract 6).
 # Frames under this many pixels a side (the demo's 64 x 96) are encoded with libx264's ultrafast
 # preset: 2.3 times veryfast's speed there, where the bytes are few anyway.
 SMALL_FRAME_SIDE = 256
+# The frame table's columns this job reads (Contract 6).
 _TABLE_COLUMNS = ["policy", "budget", "sink_frames", "recent_frames", "capacity", "frame", "block"]
 
 
@@ -100,7 +100,7 @@ def closed_loop_rollout(name: str, latents: str | Path, table: str | Path) -> Ro
 
 def survey_rollout(latents: str | Path) -> Rollout:
     """The survey's rollout (the full cache), its blocks from the latents' provenance."""
-    _, provenance = load_latents(latents)
+    provenance = read_latents_metadata(latents)
     if "block_sizes" not in provenance:
         raise ValueError(f"{latents}: no block_sizes in its metadata (not a survey's latents)")
     sizes = tuple(int(size) for size in provenance["block_sizes"])
@@ -202,18 +202,16 @@ def decode_videos(
                     ):
                         writer.write(frame)
                         accumulator.add(frame, target)
-                    if grid_writer is None:
-                        pixel_frame += 1
-                        continue
-                    counter = frame_counter(latent_frame, num_frames, pixel_frame, FPS)
-                    grid_writer.write(
-                        composer.compose(
-                            frames,
-                            latent_frame=latent_frame,
-                            pixel_frame=pixel_frame,
-                            counter=counter,
+                    if grid_writer is not None:
+                        counter = frame_counter(latent_frame, num_frames, pixel_frame, FPS)
+                        grid_writer.write(
+                            composer.compose(
+                                frames,
+                                latent_frame=latent_frame,
+                                pixel_frame=pixel_frame,
+                                counter=counter,
+                            )
                         )
-                    )
                     pixel_frame += 1
             if next(stream, None) is not None:  # spent: one more chunk would be a bug
                 raise RuntimeError("the decoder gave more frames than the latents hold")

@@ -26,6 +26,15 @@ def save_latents(path: str | Path, latents: torch.Tensor, metadata: dict) -> Non
         )
 
 
+def read_latents_metadata(path: str | Path) -> dict:
+    """The provenance `save_latents` wrote, without reading the latents."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: json.loads(value) for key, value in handle.metadata().items()}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"latents not found: {path}") from None
+
+
 def load_latents(path: str | Path) -> tuple[torch.Tensor, dict]:
     """What `save_latents` wrote: the latents and the provenance."""
     try:

@@ -25,6 +25,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the keys."""
 
 
+VAE_FOLDER = "vae"  # a diffusers pipeline folder's VAE
+
+
+def vae_dir(path: str | Path) -> Path:
+    """The folder holding a diffusers VAE's config.json: `path`, or `path/vae` of a pipeline."""
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file() and (path / VAE_FOLDER / CONFIG_NAME).is_file():
+        return path / VAE_FOLDER
+    return path
+
+
 def model_dir(base: str | Path) -> Path:
     """The folder holding the DiT's config.json: `base`, or `base/transformer` of a pipeline."""
     base = Path(base)

@@ -39,7 +39,7 @@ import torch
 from sinkscope.storage import atomic_path
 
 from .checkpoint import check_state_keys, load_pickled, read_safetensors
-from .layout import CONFIG_NAME, CheckpointError, weight_files
+from .layout import CONFIG_NAME, CheckpointError, vae_dir, weight_files
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
@@ -84,7 +84,6 @@ WAN21_VAE_CONFIG: dict[str, Any] = {
     "dropout": 0.0,
 }
 DIFFUSERS_CLASS = "AutoencoderKLWan"
-VAE_FOLDER = "vae"  # a diffusers pipeline folder's
 
 
 @functools.cache
@@ -257,13 +256,6 @@ def _read_file(path: Path, device: torch.device | str) -> dict[str, torch.Tensor
     return state
 
 
-def _folder(path: Path) -> Path:
-    """The folder with the VAE's config.json: `path`, or `path/vae` of a pipeline."""
-    if not (path / CONFIG_NAME).is_file() and (path / VAE_FOLDER / CONFIG_NAME).is_file():
-        return path / VAE_FOLDER
-    return path
-
-
 def load_wan_vae(
     path: str | Path,
     *,
@@ -284,7 +276,7 @@ def load_wan_vae(
     if path.is_dir():
         if config is not None:
             raise ValueError(f"{path}: a diffusers folder brings its own {CONFIG_NAME}")
-        folder = _folder(path)
+        folder = vae_dir(path)
         config_file = folder / CONFIG_NAME
         try:
             values = json.loads(config_file.read_text())

@@ -23,6 +23,7 @@ from sinkscope.wan.layout import (
     WEIGHTS_NAME,
     CheckpointError,
     read_model_config,
+    vae_dir,
     weight_files,
 )
 from sinkscope.wan.spec import CheckpointSpec
@@ -395,11 +396,9 @@ def vae_inputs(path: str) -> list[str]:
     config.json and weights (the folder, or a pipeline folder's vae/)."""
     if is_demo_vae(path):
         return [f"{DEMO_VAE_DIR}/{file}" for file in DEMO_WEIGHT_FILES]
-    folder = Path(path)
-    if not folder.is_dir():
+    if not Path(path).is_dir():
         return [path]
-    if not (folder / CONFIG_NAME).is_file() and (folder / "vae" / CONFIG_NAME).is_file():
-        folder = folder / "vae"
+    folder = vae_dir(path)
     try:
         weights = weight_files(folder)
     except CheckpointError as err:

@@ -42,8 +42,7 @@ from .entries import (
     vae_path,
     video_runs,
 )
-
-VAE_Z_DIM = 16  # Wan2.1's VAE: the latent channels it decodes
+from .resources import VAE_Z_DIM  # Wan2.1's VAE: the latent channels it decodes
 
 
 def raise_problems(problems: list[str]) -> None:

@@ -15,18 +15,18 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from sinkscope.frames import (
     attention_store_bytes,
     block_sizes,
     closed_loop_key_frames,
     export_bytes,
+    pixel_frame_count,
     token_store_bytes,
 )
 from sinkscope.passes import resolve_passes
 from sinkscope.schedules import ROLLING_CACHE_FRAMES, denoising_steps
-from sinkscope.wan.layout import CONFIG_NAME
+from sinkscope.wan.layout import CONFIG_NAME, vae_dir
 
 from .entries import (
     closed_loop_policy,
@@ -183,8 +183,7 @@ DECODE_MEM_MB = 8000  # CPU side: the latents, one chunk of frames per rollout, 
 def video_runtime(config: dict, rollouts: int, latent_frames: int) -> int:
     """Minutes: a decode job of `rollouts` videos of `latent_frames` latent frames (setup, then
     DECODE_FRAMES_PER_SECOND pixel frames a second per rollout)."""
-    pixel_frames = 1 + 4 * (latent_frames - 1)
-    seconds = rollouts * pixel_frames / DECODE_FRAMES_PER_SECOND
+    seconds = rollouts * pixel_frame_count(latent_frames) / DECODE_FRAMES_PER_SECOND
     return EXTRACT_SETUP_MINUTES + math.ceil(seconds / 60)
 
 
@@ -384,13 +383,12 @@ def vae_base_dim(config: dict, name: str) -> int:
     path = vae_path(config, name)
     if is_demo_vae(path):
         return int(config.get("demo", {}).get("vae", {}).get("base_dim", 1))
-    folder = Path(path)
-    for file in (folder / CONFIG_NAME, folder / "vae" / CONFIG_NAME):
-        if file.is_file():
-            try:
-                return int(json.loads(file.read_text()).get("base_dim", VAE_BASE_DIM))
-            except (OSError, ValueError, TypeError, AttributeError):
-                break  # the job's loader names what is wrong with it
+    file = vae_dir(path) / CONFIG_NAME
+    if file.is_file():
+        try:
+            return int(json.loads(file.read_text()).get("base_dim", VAE_BASE_DIM))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass  # the job's loader names what is wrong with it
     return VAE_BASE_DIM
 
 
