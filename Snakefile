@@ -53,12 +53,10 @@ localrules:
 rule all:
     default_target: True
     input:
-        expand(
-            "results/logits/{checkpoint}/{prompt}/layer{layer}.zarr",
-            checkpoint=CHECKPOINTS,
-            prompt=PROMPTS,
-            layer=TOKEN_LAYERS if KEEP_TOKENS else [],
-        ),
+        [
+            f"results/logits/{checkpoint}/{prompt}/layer{layer}.zarr"
+            for checkpoint, prompt, layer in (TOKEN_STORES if KEEP_TOKENS else [])
+        ],
         expand(
             "results/attention/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
@@ -83,11 +81,11 @@ rule all:
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
         ),
-        expand(
-            [figure.path for figure in RUN_FIGURES + POLICY_FIGURES + SURVEY_FIGURES],
-            checkpoint=CHECKPOINTS,
-            prompt=PROMPTS,
-        ),
+        [
+            figure.path.format(checkpoint=checkpoint, prompt=prompt)
+            for checkpoint, prompt in FIGURE_RUNS
+            for figure in RUN_FIGURES + POLICY_FIGURES + SURVEY_FIGURES
+        ],
         [figure.path for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES],
         [
             f"results/closed_loop/{checkpoint}/{prompt}/{policy}/layer{layer}.zarr"

@@ -32,6 +32,8 @@ rule closed_loop:
         ],
     log:
         "results/logs/closed_loop/{checkpoint}/{prompt}.log",
+    # Before the surveys: the longest chain of the DAG (its videos and summaries wait for it).
+    priority: 2
     conda:
         "../envs/extract.yaml"
     threads: EXTRACT_THREADS

@@ -18,12 +18,14 @@ from sinkscope.workflow.entries import (
     closed_loop_policies,
     closed_loop_runs,
     demo_text_encoder_dir,
+    figure_runs,
     frame_layers,
     is_demo_checkpoint,
     prompt_text,
     survey_layers,
     survey_video_runs,
     token_layers,
+    token_stores,
     vae_inputs,
     vae_path,
     video_runs,
@@ -65,6 +67,8 @@ PROMPTS = list(config["prompts"])
 # Token stores (`layers`, one extraction job each), attention stores (`capture.survey`, one
 # survey job per checkpoint and prompt), and every layer with a frame dataset and statistics.
 TOKEN_LAYERS = token_layers(config)
+# (checkpoint, prompt, layer) of every token store: capture.token_runs, and unsurveyed layers
+TOKEN_STORES = token_stores(config)
 SURVEY_LAYERS = survey_layers(config)
 LAYERS = frame_layers(config)
 # Frame datasets of surveyed layers come from their attention stores, the others' from tokens.
@@ -77,6 +81,7 @@ HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
 # figures.heads; figure4 and the compare figures the layers of figures.heads; the survey figures
 # every surveyed layer.
 RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
+FIGURE_RUNS = figure_runs(config)  # the (checkpoint, prompt) pairs whose own figures are drawn
 RUN_FIGURES = run_figures(
     "results/figures/{checkpoint}/{prompt}",
     RUN_FIGURE_LAYERS,

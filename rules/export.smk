@@ -47,9 +47,24 @@ rule export_run:
         "../scripts/export.py"
 
 
+# Token-sized layouts need the token stores: the runs with every one (capture.token_runs).
+EXPORT_RUNS = [
+    (c, p)
+    for c in CHECKPOINTS
+    for p in PROMPTS
+    if all((c, p, layer) in TOKEN_STORES for layer in EXPORT_LAYERS)
+]
+
+
 rule export:
     input:
-        expand(rules.export_run.output, checkpoint=CHECKPOINTS, prompt=PROMPTS),
+        [
+            path
+            for checkpoint, prompt in EXPORT_RUNS
+            for path in expand(
+                rules.export_run.output, checkpoint=checkpoint, prompt=prompt
+            )
+        ],
 
 
 localrules:

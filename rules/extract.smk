@@ -46,7 +46,7 @@ if SURVEY_LAYERS:
             ),
         log:
             "results/logs/survey/{checkpoint}/{prompt}.log",
-        # First on the GPU: every figure and statistic of a run waits for its survey only.
+        # On the GPU after the closed loop: every figure and statistic of a run waits for it.
         priority: 1
         conda:
             "../envs/extract.yaml"

@@ -40,6 +40,8 @@ rule videos:
         metrics="results/videos/{checkpoint}/{prompt}/metrics.csv",
     log:
         "results/logs/videos/{checkpoint}/{prompt}.log",
+    # Next on the GPU once its rollouts are there: the video summary waits for it alone.
+    priority: 2
     conda:
         "../envs/extract.yaml"
     threads: EXTRACT_THREADS

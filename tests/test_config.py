@@ -147,6 +147,18 @@ def test_schema_refuses(change, message):
             "checkpoints.demo_a.generator: a demo checkpoint takes no generator file",
         ),
         (
+            lambda c: c["capture"].update(token_runs=[["demo_c", "eagle"]]),
+            "capture.token_runs: checkpoint 'demo_c' is not one of ['demo_a', 'demo_b']",
+        ),
+        (
+            lambda c: c["capture"].update(token_runs=[["demo_a", "eagle"]] * 2),
+            "capture.token_runs: [demo_a, eagle] is listed twice",
+        ),
+        (
+            lambda c: c["figures"].update(runs=[["demo_a", "fox"]]),
+            "figures.runs: prompt 'fox' is not one of ['eagle', 'harbor']",
+        ),
+        (
             lambda c: c["closed_loop"].update(runs=[["demo_a", "fox"]]),
             "closed_loop.runs: prompt 'fox' is not one of ['eagle', 'harbor']",
         ),
@@ -277,6 +289,9 @@ def test_schema_refuses(change, message):
         "temporary-token-stores-of-surveyed-layers",
         "policy-budget-not-swept",
         "demo-with-generator",
+        "token-runs-unknown-run",
+        "token-runs-twice",
+        "figure-runs-unknown-run",
         "closed-loop-unknown-run",
         "closed-loop-budget-not-swept",
         "closed-loop-sinks-not-swept",
@@ -410,6 +425,32 @@ def test_survey_params_do_not_depend_on_capture_tokens(tmp_path):
     config["capture"]["tokens"] = False
     assert extraction_settings(config, "demo_a", cache, store="attention") == survey
     assert extraction_settings(config, "demo_a", cache) != tokens
+
+
+def test_token_runs_and_stores():
+    """Token stores for the listed runs only (the demo: one); every run without the key; a
+    token layer that is not surveyed in every run, as its frames come from it."""
+    assert entries.token_runs(checked()) == [("demo_a", "eagle")]
+    assert entries.token_stores(checked()) == [("demo_a", "eagle", 0)]
+    everything = checked(lambda c: c["capture"].pop("token_runs"))
+    assert len(entries.token_runs(everything)) == 4
+    assert {layer for *_, layer in entries.token_stores(everything)} == {0}
+    assert len(entries.token_stores(everything)) == 4
+    unsurveyed = checked(lambda c: (c.update(layers=[0, 1]), c["capture"].update(survey=[1, 2])))
+    stores = entries.token_stores(unsurveyed)
+    assert [s for s in stores if s[2] == 1] == [("demo_a", "eagle", 1)]
+    assert {(c, p) for c, p, layer in stores if layer == 0} == {
+        (c, p) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
+    }
+    assert entries.token_stores(checked(lambda c: c.update(layers=[]))) == []
+
+
+def test_figure_runs():
+    """Each run's own figures for the listed runs (the demo: eagle under both models), every
+    run without the key."""
+    assert entries.figure_runs(checked()) == [("demo_a", "eagle"), ("demo_b", "eagle")]
+    everything = checked(lambda c: c["figures"].pop("runs"))
+    assert len(entries.figure_runs(everything)) == 4
 
 
 def test_closed_loop_entries_and_params(tmp_path):

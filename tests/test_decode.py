@@ -33,7 +33,13 @@ from sinkscope.tables import FRAME_TABLE_COLUMNS
 from sinkscope.video_grid import GridComposer, GridTile
 from sinkscope.video_metrics import VIDEO_TABLE_COLUMNS, read_video_metrics, video_metrics
 from sinkscope.videos import read_frames, read_video_info
-from sinkscope.wan.vae import CheckpointError, decode_latents, random_vae, tiny_vae_config
+from sinkscope.wan.vae import (
+    CheckpointError,
+    decode_latents,
+    random_vae,
+    save_diffusers_layout,
+    tiny_vae_config,
+)
 
 BLOCKS = (1, 3, 3)
 LATENT_FRAMES = sum(BLOCKS)  # 7
@@ -95,7 +101,7 @@ def vae(tmp_path_factory):
     """(the in-memory tiny VAE, its diffusers folder)."""
     model = random_vae(tiny_vae_config(1), seed=5)
     folder = tmp_path_factory.mktemp("vae") / "vae"
-    model.save_pretrained(folder)
+    save_diffusers_layout(model, folder)
     return model, folder
 
 

@@ -387,10 +387,10 @@ def test_export_config_defaults():
 @pytest.mark.workflow
 def test_export_target_on_the_demo(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
-    # Not part of the default run; its own target, one job per run.
+    # Not part of the default run; its own target, one job per run with the token stores
+    # (capture.token_runs: demo_a/eagle alone).
     jobs = planned_jobs(workdir, "export")
-    assert {rule for rule, _ in jobs} == {"export_run", "export"}
-    assert len(jobs) == 5
+    assert jobs == {("export", ""), ("export_run", "checkpoint=demo_a, prompt=eagle")}
     snakemake(workdir, "export")
     run = workdir / "results/export/demo_a/eagle"
     names = {p.name for p in run.iterdir()}

@@ -113,6 +113,7 @@ def real_config(root: Path) -> dict:
     }
     config["prompts"]["fox"] = {"text": "A red fox", "embeddings": str(root / "fox.safetensors")}
     config["closed_loop"]["policies"] = []
+    config["capture"].pop("token_runs")  # the demo's run: every run has its token stores here
     return config
 
 
@@ -454,6 +455,7 @@ def test_the_prompts_file_is_merged_before_the_rules_read_the_prompts(tmp_path):
     alone = _demo_with_prompts_file(tmp_path, PROMPTS_TXT)
     del alone["prompts"]
     alone["closed_loop"]["policies"] = []
+    alone["capture"].pop("token_runs")  # the demo's names a prompt of its own
     assert list(checked(alone, REPO)["prompts"]) == NAMES
 
 
@@ -531,6 +533,7 @@ def test_a_dry_run_plans_one_encode_job_per_prompt_of_the_file(tmp_path):
         del config["prompts"]
         config.update(prompts_file="prompts.txt", prompts_limit=2)
         config["closed_loop"]["runs"] = [["demo_a", NAMES[0]]]
+        config["capture"]["token_runs"] = [["demo_a", NAMES[0]]]
 
     edit_config(workdir, use_the_file)
     jobs = planned_jobs(workdir)

@@ -30,11 +30,14 @@ def test_plan_counts_every_writing_job_with_its_bound():
     config = checked()
     families = {f.name: f for f in plan.storage_plan(config)}
     tokens = families["token stores"]
-    # 2 checkpoints x 2 prompts x token layer 0 at pass 0 (capture.token_passes); the demo
-    # geometry: 21 frames of 24 tokens.
-    assert len(tokens.jobs) == 4
+    # capture.token_runs: demo_a/eagle's token layer 0 at pass 0 (capture.token_passes); the
+    # demo geometry: 21 frames of 24 tokens.
+    assert list(tokens.jobs) == ["extract demo_a/eagle/layer0"]
     bound = demo_token_bound(num_passes=1)
     assert set(tokens.jobs.values()) == {bound}
+    every_run = checked(lambda c: c["capture"].pop("token_runs"))
+    every = {f.name: f for f in plan.storage_plan(every_run)}
+    assert len(every["token stores"].jobs) == 4  # 2 checkpoints x 2 prompts
     attention = families["attention stores"]
     one = attention_store_disk_bytes(
         num_passes=5, num_heads=4, num_frames=21, frame_seq_length=24, frames_per_block=3
@@ -297,22 +300,22 @@ def test_vae_estimate_counts_the_decoders_parts(tmp_path):
     import json
 
     import torch
-    from diffusers import AutoencoderKLWan
 
     from sinkscope.wan import vae as wan_vae
     from sinkscope.workflow import resources
 
     with torch.device("meta"):
-        real = AutoencoderKLWan.from_config(wan_vae.WAN21_VAE_CONFIG)
+        real = wan_vae.WanVAE(wan_vae.WAN21_VAE_CONFIG)
     assert sum(p.numel() for p in real.parameters()) == resources.vae_parameters() == 126_892_531
     vae = wan_vae.random_vae(wan_vae.tiny_vae_config(4))
     assert sum(p.numel() for p in vae.parameters()) == resources.vae_parameters(4)
     latents = torch.randn(16, 4, 3, 5, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        x = vae.post_quant_conv(latents.unsqueeze(0))
-        cache: list = [None] * sum(isinstance(m, torch.nn.Conv3d) for m in vae.decoder.modules())
+        x = vae.conv2(latents.unsqueeze(0))  # the post-quant conv
+        stream = vae.decode_stream()
         for i in range(x.shape[2]):  # as wan.vae.iter_decoded_pixels drives it
-            vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+            stream(x[:, :, i : i + 1])
+    cache = stream.cache.values()
     held = sum(c.numel() * c.element_size() for c in cache if isinstance(c, torch.Tensor))
     estimate = resources.vae_decode_bytes(3, 5, base_dim=4, value_bytes=4)
     assert held == estimate["feature_cache"]

@@ -409,7 +409,6 @@ def test_reduction_logs_its_progress_with_an_estimate(tmp_path, monkeypatch, cap
     from sinkscope.analysis import reduce
 
     monkeypatch.setattr(reduce, "PROGRESS_SECONDS", 0.0)
-    monkeypatch.setattr(reduce.ReduceProgress.__init__, "__defaults__", (0.0,))
     store = _small_store(tmp_path)
     with caplog.at_level(logging.INFO, logger="sinkscope.analysis.reduce"):
         reduce_token_store(store, tmp_path / "out.zarr", threads=1)

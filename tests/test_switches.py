@@ -288,23 +288,29 @@ def test_the_figure_marks_the_switches_and_draws_every_head(tmp_path):
         assert marks == SWITCHES
         labels = [(text.get_text(), text.xy[0]) for text in ax.texts]
         assert labels == [("→1", 6), ("→2", 10)]
-        heads = [line for line in ax.lines if line.get_label().startswith("head")]
+        heads = [line for line in ax.lines if line.get_label().startswith("L0H")]
         assert len(heads) == HEADS
         # the first captured denoising pass: step 0, every block
         assert heads[0].get_xdata().tolist() == list(range(0, FRAMES, BLOCK))
     first = table[(table["step"] == 0) & (table["head"] == 0)].sort_values("block")
     for ax, column in zip(axes, ("sink_mass", "own_mass"), strict=True):
-        line = next(line for line in ax.lines if line.get_label() == "head 0")
+        line = next(line for line in ax.lines if line.get_label() == "L0H0")
         np.testing.assert_allclose(line.get_ydata(), first[column])
     assert "t=1000" in axes[0].get_title(loc="left")
     assert "demo_a · story" in fig.get_suptitle()  # one run: named once
+    assert "across the prompt switches" in fig.get_suptitle()
     assert "demo_a" not in axes[0].get_title(loc="left")
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert texts == ["head 0", "head 1", "switch (→ segment it starts)"]
+    # heads named as everywhere (L0H0: the layer of every row), not "head 0"
+    assert texts == ["L0H0", "L0H1", "switch (→ segment it starts)"]
     untitled = plot_closed_loop_switches(table, titles=False)
     assert "demo_a" not in untitled.get_suptitle()
     svg = save_figure(fig, tmp_path / "closed_loop_switches.svg")
     assert "→1" in svg.read_text() and "sink frames" in svg.read_text()
+    # A run without switches: no "across the prompt switches", shorter rows.
+    plain = plot_closed_loop_switches(table.assign(segment=0, frames_since_switch=np.nan))
+    assert "across the prompt switches" not in plain.get_suptitle()
+    assert plain.get_figheight() < fig.get_figheight()
     empty = plot_closed_loop_switches(table.iloc[:0])
     assert "no attention captured" in empty.axes[0].texts[0].get_text()
     assert save_figure(empty, tmp_path / "empty.svg").stat().st_size > 1000

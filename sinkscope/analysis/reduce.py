@@ -13,18 +13,17 @@ crc32c checksums too.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import dask
-import dask.array as da
 import numpy as np
 import xarray as xr
 import zarr
-from dask.callbacks import Callback
 
 from sinkscope.analysis import slots
 from sinkscope.analysis.stores import (
@@ -33,14 +32,13 @@ from sinkscope.analysis.stores import (
     STORE_NAMES,
     check_attention_store,
     check_token_store,
-    chunk_failures,
     damaged,
     error_text,
     open_array,
     open_store,
+    read_region,
     read_token_rows,
     read_values,
-    region_chunks,
     token_store_error,
     unreadable,
 )
@@ -61,40 +59,51 @@ log = logging.getLogger(__name__)
 PROGRESS_SECONDS = 30.0
 
 
-class ReduceProgress(Callback):
-    """Logs a dask reduction's progress: tasks done, elapsed time and an estimate of what is
-    left, at most every `every` seconds and once at the end (a 70 GB token store takes minutes)."""
+def _log_progress(what: str, done: int, total: int, elapsed: float) -> None:
+    left = elapsed / done * (total - done) if done else float("nan")
+    log.info(
+        "%s: %d/%d tasks (%.0f %%), %.1f s, about %.0f s left",
+        what,
+        done,
+        total,
+        100 * done / max(total, 1),
+        elapsed,
+        left,
+    )
 
-    def __init__(self, what: str, every: float = PROGRESS_SECONDS):
-        super().__init__()
-        self.what, self.every = what, every
 
-    def _start_state(self, dsk, state) -> None:
-        self.started = self.logged = time.perf_counter()
-        self.total = sum(len(state[key]) for key in ("ready", "waiting", "running", "finished"))
+@functools.cache
+def _dask_progress() -> type:
+    """`ReduceProgress`, a dask callback: dask is imported by the token reduction alone (1.5 s
+    a job that the attention stores' reduction, in plain numpy, does not pay)."""
+    from dask.callbacks import Callback
 
-    def _posttask(self, key, result, dsk, state, worker_id) -> None:
-        now = time.perf_counter()
-        if now - self.logged >= self.every:
-            self.logged = now
-            self._log(len(state["finished"]), now)
+    class ReduceProgress(Callback):
+        """Logs a dask reduction's progress: tasks done, elapsed time and an estimate of what
+        is left, at most every `every` seconds and once at the end (a 70 GB token store takes
+        minutes)."""
 
-    def _finish(self, dsk, state, errored) -> None:
-        if not errored:
-            self._log(self.total, time.perf_counter())
+        def __init__(self, what: str, every: float | None = None):
+            super().__init__()
+            self.what = what
+            self.every = PROGRESS_SECONDS if every is None else every
 
-    def _log(self, done: int, now: float) -> None:
-        elapsed = now - self.started
-        left = elapsed / done * (self.total - done) if done else float("nan")
-        log.info(
-            "%s: %d/%d tasks (%.0f %%), %.1f s, about %.0f s left",
-            self.what,
-            done,
-            self.total,
-            100 * done / max(self.total, 1),
-            elapsed,
-            left,
-        )
+        def _start_state(self, dsk, state) -> None:
+            self.started = self.logged = time.perf_counter()
+            self.total = sum(len(state[key]) for key in ("ready", "waiting", "running", "finished"))
+
+        def _posttask(self, key, result, dsk, state, worker_id) -> None:
+            now = time.perf_counter()
+            if now - self.logged >= self.every:
+                self.logged = now
+                _log_progress(self.what, len(state["finished"]), self.total, now - self.started)
+
+        def _finish(self, dsk, state, errored) -> None:
+            if not errored:
+                elapsed = time.perf_counter() - self.started
+                _log_progress(self.what, self.total, self.total, elapsed)
+
+    return ReduceProgress
 
 
 # The fast path of reduce_rows works on sub-blocks of about this many logits (an 8-byte index and
@@ -371,8 +380,8 @@ def _reduce_store(store, out, kind: str, reducer) -> None:
 
 
 def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -> xr.Dataset:
-    """The frame dataset of an opened attention store: key_mass summed per key frame (xarray
-    coarsen over dask chunks, one chunk per pass and block), the stored entropy, pooled logits."""
+    """The frame dataset of an opened attention store: key_mass summed per key frame, the
+    stored entropy, pooled logits."""
     kind = STORE_NAMES["attention"]
     tokens_per_frame, num_frames, sizes = check_attention_store(path, ds)
     if slots.is_slot_store(ds):
@@ -385,29 +394,47 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
         return _frame_dataset(
             ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions
         )
-    # dask-backed, one task per stored chunk (one pass and block, every head and key token).
-    key_mass = xr.open_zarr(path)["key_mass"].drop_vars("key_frame", errors="ignore")
-    # Key tokens -> (key frame, token); a key frame is either wholly visible or not at all, so
-    # NaN stays NaN (skipna=False).
-    per_frame = key_mass.coarsen(key_token=tokens_per_frame).construct(
-        key_token=("key_frame", "token")
-    )
-    try:
-        with (
-            dask.config.set(scheduler="threads", num_workers=threads or os.cpu_count()),
-            ReduceProgress(f"reducing {path}"),
-        ):
-            prob_mass = per_frame.sum("token", skipna=False).values.astype(np.float32)
-    except Exception as err:
-        array = open_array(path, "key_mass")
-        if array is not None and not chunk_failures(array, region_chunks(array)):
-            raise  # not a damaged chunk
-        raise unreadable(kind, path, "key_mass", err, array) from err
+    prob_mass = _attention_prob_mass(path, tokens_per_frame, num_frames, threads)
     entropy = read_values(path, ds, "entropy", kind).astype(np.float32)
     logit_mean = read_values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
     _check_mass(path, prob_mass, logit_mean)
     versions = read_values(path, ds, "key_version", kind) if "key_version" in ds else None
     return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions)
+
+
+def _attention_prob_mass(
+    path: Path, tokens_per_frame: int, num_frames: int, threads: int | None
+) -> np.ndarray:
+    """key_mass [pass, head, query frame, key token] summed over each key frame's tokens, float32
+    [pass, head, query frame, key frame], one stored chunk of (pass, head, query frame) at a time
+    on `threads` threads (zarr's decoding releases the GIL). A key frame is either wholly visible
+    or not at all, so NaN stays NaN (no skipna). A chunk that fails its read is named."""
+    kind = STORE_NAMES["attention"]
+    key_mass = zarr.open_group(str(path), mode="r")["key_mass"]
+    steps, heads, queries, _ = key_mass.shape
+    prob_mass = np.empty((steps, heads, queries, num_frames), np.float32)
+    step_run, head_run, query_run = key_mass.chunks[:3]
+    regions = [
+        (slice(s, s + step_run), slice(h, h + head_run), slice(q, q + query_run), slice(None))
+        for s in range(0, steps, step_run)
+        for h in range(0, heads, head_run)
+        for q in range(0, queries, query_run)
+    ]
+
+    def reduce_region(region: tuple[slice, ...]) -> None:
+        values = read_region(key_mass, region, kind, path, "key_mass")
+        frames = values.reshape(*values.shape[:3], num_frames, tokens_per_frame)
+        prob_mass[region[:3]] = frames.sum(axis=-1, dtype=np.float32)
+
+    what, started = f"reducing {path}", time.perf_counter()
+    logged = started
+    with ThreadPoolExecutor(threads or os.cpu_count()) as pool:
+        for done, _ in enumerate(pool.map(reduce_region, regions), 1):
+            now = time.perf_counter()
+            if now - logged >= PROGRESS_SECONDS or done == len(regions):
+                logged = now
+                _log_progress(what, done, len(regions), now - started)
+    return prob_mass
 
 
 def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:
@@ -512,6 +539,9 @@ def _reduce_logits(
     except Exception as err:
         problem = f"variable 'logits' cannot be opened ({error_text(err)})"
         raise damaged("token store", path, problem) from err
+    import dask
+    import dask.array as da
+
     num_steps, num_heads = logits.shape[:2]
     reduced = da.map_blocks(
         _reduce_shard,
@@ -523,7 +553,7 @@ def _reduce_logits(
         tokens_per_frame=tokens_per_frame,
         num_frames=num_frames,
     )
-    with ReduceProgress(f"reducing {path}"):
+    with _dask_progress()(f"reducing {path}"):
         return dask.compute(
             reduced[..., :num_frames],
             reduced[..., num_frames : 2 * num_frames],

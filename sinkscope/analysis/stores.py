@@ -355,7 +355,8 @@ def open_attention_store(path: str | os.PathLike, *, key_tokens: bool = False) -
     (`slots.key_token_view`, in memory), as the offline recall and the survey figures read it."""
     path = Path(path)
     kind = STORE_NAMES["attention"]
-    store = open_store(kind, path)
+    # No dask (its import is 1.5 s a job): key_mass stays lazily indexed, read where indexed.
+    store = open_store(kind, path, chunks=None)
     check_attention_store(path, store)
     missing = [
         name for name in ("checkpoint", "prompt", "layer", "latent_grid") if name not in store.attrs

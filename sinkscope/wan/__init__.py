@@ -2,10 +2,11 @@
 
 Torch: `model.py` (the DiT with its block-causal KV cache), `rope.py`, `checkpoint.py` (loading
 and saving weights), `lora.py` (LoRA adapters, run unmerged), `text.py` (UMT5 prompt encoding),
-`precision.py` (the `dtype` setting), `vae.py` (Wan2.1's VAE through diffusers'
-`AutoencoderKLWan`: both file layouts, streaming decode to uint8 frames, encode; not yet used by
-a rule). Torch-free, so Snakemake can read them while parsing:
-`config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
+`precision.py` (the `dtype` setting), `vae.py` (Wan2.1's VAE: both file layouts, streaming
+decode to uint8 frames, encode) and `vae_net.py` (its network: our own, in Wan's original layout,
+proven bit-equal to diffusers' `AutoencoderKLWan` in the tests, the only place diffusers is
+imported, as importing it cost 5-6.5 s per job). Torch-free, so Snakemake can read them while
+parsing: `config.py` (`WanConfig`), `layout.py` (checkpoint formats and their files), `spec.py`
 (`CheckpointSpec`), `lora_keys.py` (a LoRA file's keys and shapes, what is refused) and `demo.py`
 (the demo model's size; torch only to make one).
 Imports nothing of sinkscope but the shared `storage`, `cache_choices` (the kinds of key a

@@ -95,12 +95,6 @@ def make_demo_checkpoint(out_dir: str | Path, *, seed: int, model: dict | None =
 def make_demo_vae(out_dir: str | Path, *, seed: int, base_dim: int = 2) -> Path:
     """Write a seeded random Wan2.1 VAE of `base_dim` channels as a diffusers `vae/` folder
     (config.json + diffusion_pytorch_model.safetensors), atomically."""
-    from sinkscope.storage import atomic_path
+    from .vae import random_vae, save_diffusers_layout, tiny_vae_config
 
-    from .vae import random_vae, tiny_vae_config
-
-    vae = random_vae(tiny_vae_config(base_dim), seed=seed)
-    out_dir = Path(out_dir)
-    with atomic_path(out_dir) as temporary:
-        vae.save_pretrained(temporary, safe_serialization=True)
-    return out_dir
+    return save_diffusers_layout(random_vae(tiny_vae_config(base_dim), seed=seed), out_dir)

@@ -1,18 +1,21 @@
 """Wan2.1's VAE, from the files users have, decoded as the long-video family decodes it.
 
-The network is diffusers' `AutoencoderKLWan` (the same network as Wan's original `WanVAE_`:
-decode and encode agree to 0.0 on tiny random weights). Two layouts load:
+The network is our own `vae_net.WanVAE` (torch only), Wan's original `WanVAE_` with its
+parameter names, run op for op in diffusers' order: tests/test_vae.py proves it bit-equal
+(float32, CPU) to diffusers' `AutoencoderKLWan`, the test-only reference, in decode (streamed
+and whole, batches too) and encode. It is not diffusers' own because importing diffusers cost
+5-6.5 s per job that decodes. Two layouts load:
 
 - Wan's original `Wan2.1_VAE.pth`: a `torch.save` state dict with the original 194 keys, read
-  with `weights_only=True`; its keys are renamed by diffusers' own
-  `convert_wan_vae_to_diffusers`. The config is Wan2.1's (`WAN21_VAE_CONFIG`, z_dim 16). A
-  `.safetensors` file in either key layout (ComfyUI ships the original one) loads the same way.
+  with `weights_only=True`, the network's own names. The config is Wan2.1's
+  (`WAN21_VAE_CONFIG`, z_dim 16). A `.safetensors` file in either key layout (ComfyUI ships the
+  original one) loads the same way.
 - diffusers' `vae/` folder: `config.json` + `diffusion_pytorch_model.safetensors` (or the
-  pipeline folder holding `vae/`).
+  pipeline folder holding `vae/`), its keys renamed by `diffusers_to_original_key`.
 
 Keys are checked here, strictly (diffusers' `from_single_file` loads a file missing keys without
 a word): missing, unexpected or wrong-shaped keys, a z_dim other than 16, pickled code and a
-missing file raise `CheckpointError` naming the file.
+missing file raise `CheckpointError` naming the file and the keys as the file names them.
 
 Latents are sinkscope's [C, F, H, W] float32, normalised as the DiT sees them. The family
 (Self-Forcing's `WanVAEWrapper`, used by every system built on it) de-normalises with
@@ -27,28 +30,27 @@ here are those bytes. F latent frames decode to 4F - 3 pixel frames; T pixel fra
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from sinkscope.storage import atomic_path
 
 from .checkpoint import check_state_keys, load_pickled, read_safetensors
 from .layout import CONFIG_NAME, CheckpointError, vae_dir, weight_files
-
-if TYPE_CHECKING:
-    from diffusers import AutoencoderKLWan
+from .vae_net import WanVAE
 
 __all__ = [
     "WAN21_VAE_CONFIG",
     "WAN_VAE_MEAN",
     "WAN_VAE_STD",
     "CheckpointError",
+    "WanVAE",
     "decode_latents",
     "diffusers_to_original_key",
     "encode_frames",
@@ -58,6 +60,7 @@ __all__ = [
     "iter_decoded_pixels",
     "load_wan_vae",
     "random_vae",
+    "save_diffusers_layout",
     "save_original_layout",
     "tiny_vae_config",
 ]
@@ -84,18 +87,7 @@ WAN21_VAE_CONFIG: dict[str, Any] = {
     "dropout": 0.0,
 }
 DIFFUSERS_CLASS = "AutoencoderKLWan"
-
-
-@functools.cache
-def _diffusers():
-    """diffusers' class and key converter, imported on first use (3-5 s, so not at import)."""
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-    from diffusers.models.autoencoders.autoencoder_kl_wan import (
-        AutoencoderKLWan,
-        WanCausalConv3d,
-    )
-
-    return AutoencoderKLWan, WanCausalConv3d, convert_wan_vae_to_diffusers
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 # --- the original key layout ------------------------------------------------------------------
@@ -123,21 +115,24 @@ _TOP_PARTS = (
 )
 
 
-def _resnet_part(rest: str) -> str:
-    for new, old in _RESNET_PARTS:
+def _resnet_part(rest: str, table=_RESNET_PARTS) -> str:
+    for new, old in table:
         if rest.startswith(new):
             return old + rest[len(new) :]
     return rest  # a resample's own names (resample.1., time_conv.) are the same in both
 
 
 def diffusers_to_original_key(key: str) -> str:
-    """The original Wan name of an `AutoencoderKLWan` parameter (Wan2.1's block structure:
-    dim_mult of 4 levels, 2 residual blocks each, as `convert_wan_vae_to_diffusers` assumes):
-    the inverse of that converter, which tests/test_vae.py checks key by key."""
+    """The original Wan name (`WanVAE`'s) of an `AutoencoderKLWan` parameter (Wan2.1's block
+    structure: dim_mult of 4 levels, 2 residual blocks each, as diffusers'
+    `convert_wan_vae_to_diffusers` assumes): the inverse of that converter, which
+    tests/test_vae.py checks key by key. An original name comes back as it is."""
     for new, old in _TOP_PARTS:
         if key.startswith(new):
             return old + key[len(new) :]
     parts = key.split(".")
+    if len(parts) < 5:
+        return key
     if parts[1] == "mid_block" and parts[2] == "resnets":  # resnets 0, 1 -> middle 0, 2
         rest = ".".join(parts[4:])
         return f"{parts[0]}.middle.{2 * int(parts[3])}.{_resnet_part(rest)}"
@@ -154,17 +149,64 @@ def diffusers_to_original_key(key: str) -> str:
     return key
 
 
-def save_original_layout(vae: AutoencoderKLWan, path: str | Path) -> Path:
+def _original_to_diffusers_key(key: str) -> str:
+    """`diffusers_to_original_key`, backwards (Wan2.1's structure); `_diffusers_names` checks
+    each name against it."""
+    for new, old in _TOP_PARTS:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    coder, group, index, *rest = key.split(".")
+    back = tuple((old, new) for new, old in _RESNET_PARTS)
+    if group == "middle":  # middle 1 is the attention, taken above
+        return f"{coder}.mid_block.resnets.{int(index) // 2}.{_resnet_part('.'.join(rest), back)}"
+    if group == "downsamples":
+        return f"encoder.down_blocks.{index}.{_resnet_part('.'.join(rest), back)}"
+    block, part = divmod(int(index), 4)  # upsamples
+    if part == 3:
+        return f"decoder.up_blocks.{block}.upsamplers.0.{'.'.join(rest)}"
+    return f"decoder.up_blocks.{block}.resnets.{part}.{_resnet_part('.'.join(rest), back)}"
+
+
+def _diffusers_names(keys) -> dict[str, str]:
+    """Original name -> diffusers' of each of `keys` (a `WanVAE`'s), each checked to map back
+    (a one to one map: no two keys share a diffusers name)."""
+    names = {key: _original_to_diffusers_key(key) for key in keys}
+    for key, name in names.items():
+        if diffusers_to_original_key(name) != key:
+            raise ValueError(
+                f"no diffusers name for the VAE's '{key}' ('{name}' maps back to "
+                f"'{diffusers_to_original_key(name)}')"
+            )
+    return names
+
+
+def _state(vae: WanVAE) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in vae.state_dict().items()}
+
+
+def save_original_layout(vae: WanVAE, path: str | Path) -> Path:
     """Write the VAE's weights as Wan's `Wan2.1_VAE.pth` holds them (a torch.save state dict
-    with the original names), atomically."""
-    state = {
-        diffusers_to_original_key(k): v.detach().cpu().contiguous()
-        for k, v in vae.state_dict().items()
-    }
+    with the original names, `WanVAE`'s own), atomically."""
     path = Path(path)
     with atomic_path(path) as temporary:
-        torch.save(state, temporary)
+        torch.save(_state(vae), temporary)
     return path
+
+
+def save_diffusers_layout(vae: WanVAE, folder: str | Path) -> Path:
+    """Write the VAE as diffusers' `vae/` folder (`AutoencoderKLWan.from_pretrained` loads it):
+    `config.json` (`_class_name` and the config) and `diffusion_pytorch_model.safetensors` in
+    diffusers' names, atomically, without importing diffusers."""
+    state = _state(vae)
+    names = _diffusers_names(state)
+    folder = Path(folder)
+    with atomic_path(folder) as temporary:
+        temporary.mkdir()
+        config = {"_class_name": DIFFUSERS_CLASS, **vae.config}
+        (temporary / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        weights = {names[k]: v for k, v in state.items()}
+        save_file(weights, str(temporary / DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
+    return folder
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -189,52 +231,53 @@ def _check_config(values: Mapping[str, Any], source: str) -> None:
             raise CheckpointError(f"{source}: {name} {list(found)} are not Wan2.1's")
 
 
-def _build(values: Mapping[str, Any]) -> AutoencoderKLWan:
-    autoencoder, _, _ = _diffusers()
-    config = {k: v for k, v in values.items() if not k.startswith("_")}
-    with torch.device("meta"):
-        return autoencoder.from_config(config)
+def _build(values: Mapping[str, Any], source: str) -> WanVAE:
+    """The network of `values` on the meta device (the weights are assigned when loaded)."""
+    try:
+        with torch.device("meta"):
+            return WanVAE(values)
+    except ValueError as err:  # what WanVAE is not (Wan2.2's VAE, attention in the levels)
+        raise CheckpointError(f"{source}: {err}") from None
 
 
 def _to_model_keys(
     state: dict[str, torch.Tensor], source: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The file's tensors under diffusers' names (diffusers' converter renames the original's and
-    leaves diffusers' as they are), and model name -> the file's name, for the messages."""
-    _, _, convert = _diffusers()
-    converted: dict[str, torch.Tensor] = {}
+    """The file's tensors under the original names (diffusers' renamed, the original's left as
+    they are), and model name -> the file's name, for the messages."""
+    renamed: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
     for key, value in state.items():
-        (new,) = convert({key: value})
-        if new in converted:
+        new = diffusers_to_original_key(key)
+        if new in renamed:
             raise CheckpointError(
                 f"{source}: '{names[new]}' and '{key}' are both the VAE's '{new}' (a file "
                 "mixing the original and diffusers key layouts)"
             )
-        converted[new], names[new] = value, key
-    return converted, names
+        renamed[new], names[new] = value, key
+    return renamed, names
 
 
 def _check_keys(
-    vae: AutoencoderKLWan,
+    vae: WanVAE,
     state: dict[str, torch.Tensor],
     names: dict[str, str],
     source: str,
-    original: bool,
 ) -> None:
     expected = vae.state_dict()
-    z_weight = state.get("post_quant_conv.weight")
+    z_weight = state.get("conv2.weight")  # the post-quant conv: z_dim -> z_dim
     if z_weight is not None and z_weight.ndim >= 1 and z_weight.shape[0] != vae.config.z_dim:
         raise CheckpointError(
             f"{source}: weights of a VAE with z_dim {z_weight.shape[0]} "
-            f"('{names['post_quant_conv.weight']}' {list(z_weight.shape)}); expected z_dim "
+            f"('{names['conv2.weight']}' {list(z_weight.shape)}); expected z_dim "
             f"{vae.config.z_dim} (Wan2.1's)"
         )
+    # A missing key is named in the file's layout: diffusers' when any of its names were.
+    in_diffusers = any(name != key for key, name in names.items())
+    layout = _diffusers_names(expected) if in_diffusers else {}
 
-    def file_key(key: str) -> str:  # as the file names it (a missing key: in its layout)
-        if key in names:
-            return names[key]
-        return diffusers_to_original_key(key) if original else key
+    def file_key(key: str) -> str:
+        return names.get(key) or layout.get(key, key)
 
     check_state_keys(expected, state, source, "Wan2.1's VAE", file_key)
 
@@ -262,9 +305,9 @@ def load_wan_vae(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     config: Mapping[str, Any] | None = None,
-) -> AutoencoderKLWan:
-    """Wan2.1's VAE as diffusers' `AutoencoderKLWan`, weights loaded onto `device` in `dtype`,
-    in eval mode without gradients.
+) -> WanVAE:
+    """Wan2.1's VAE as a `WanVAE`, weights loaded onto `device` in `dtype`, in eval mode without
+    gradients.
 
     `path`: Wan's original `Wan2.1_VAE.pth` (or a `.safetensors` file in either key layout),
     built with `config` (`WAN21_VAE_CONFIG` when None; tests pass a tiny one); or a diffusers
@@ -289,6 +332,7 @@ def load_wan_vae(
                 f"{config_file}: a {values['_class_name']}, not diffusers' {DIFFUSERS_CLASS}"
             )
         _check_config(values, str(config_file))
+        config_source = str(config_file)
         files = weight_files(folder)
         state: dict[str, torch.Tensor] = {}
         for file in files:
@@ -296,13 +340,13 @@ def load_wan_vae(
         source = str(files[0]) if len(files) == 1 else str(folder)
     else:
         values = dict(WAN21_VAE_CONFIG if config is None else config)
-        _check_config(values, f"{path} (config)")
+        config_source = f"{path} (config)"
+        _check_config(values, config_source)
         state = _read_file(path, device)
         source = str(path)
-    vae = _build(values)
+    vae = _build(values, config_source)
     state, names = _to_model_keys(state, source)
-    original = any(name != key for key, name in names.items())
-    _check_keys(vae, state, names, source, original)
+    _check_keys(vae, state, names, source)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     vae.load_state_dict(state, strict=True, assign=True)
     return vae.eval().requires_grad_(False)
@@ -318,7 +362,7 @@ def _statistics(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, std
 
 
-def _denormalised(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+def _denormalised(vae: WanVAE, latents: torch.Tensor) -> torch.Tensor:
     """[C, F, H, W] (or a batch [B, C, F, H, W]) of normalised latents -> the decoder's input
     [B, C, F, H, W] in its dtype: `z / (1 / std) + mean` in float32, the form bit-equal to the
     original's."""
@@ -343,54 +387,44 @@ def frames_to_uint8(pixels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+def decode_latents(vae: WanVAE, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents [C, F, H, W] -> uint8 frames [4F - 3, 8H, 8W, 3] on the CPU, the
-    whole video at once through diffusers' `decode` (see `iter_decoded_frames` for any length)."""
-    pixels = vae.decode(_denormalised(vae, latents)).sample
-    return frames_to_uint8(pixels)
-
-
-def _decoder_convs(vae: AutoencoderKLWan) -> int:
-    _, causal_conv, _ = _diffusers()
-    return sum(isinstance(m, causal_conv) for m in vae.decoder.modules())
+    whole video's pixels at once through `WanVAE.decode` (see `iter_decoded_frames` for any
+    length)."""
+    return frames_to_uint8(vae.decode(_denormalised(vae, latents)))
 
 
 @torch.no_grad()
 def iter_decoded_pixels(
-    vae: AutoencoderKLWan, latents: torch.Tensor, chunk: int = 1
+    vae: WanVAE, latents: torch.Tensor, chunk: int = 1
 ) -> Iterator[torch.Tensor]:
     """Decoded pixels [B, 3, t, 8H, 8W] in the VAE's dtype, clamped to [-1, 1], `chunk` latent
     frames at a time (t = 1 + 4 (chunk - 1) for the first, 4 chunk after), of latents
     [C, F, H, W] (B = 1) or a batch of videos of one shape [B, C, F, H, W] decoded side by side.
 
-    diffusers' `decode` clears its feature cache at its start and end, so it cannot be driven a
-    chunk at a time. This runs its loop (`AutoencoderKLWan._decode`) with a cache of its own:
-    `post_quant_conv` on the whole latents, then `decoder(frame, feat_cache, feat_idx=[0],
-    first_chunk=i == 0)` one latent frame at a time, so the pixels are bit-equal to `decode`'s.
-    Memory: the latents, 2 frames of features per causal conv and one chunk of pixels. Spatial
-    tiling (`enable_tiling`) is not used here.
+    The post-quant conv (`conv2`) on the whole latents, then a `WanVAE.decode_stream` (its own
+    causal-conv cache) one latent frame at a time, as diffusers' `decode` runs its loop: the
+    pixels are bit-equal to `WanVAE.decode`'s and to diffusers' `AutoencoderKLWan.decode`'s
+    (tests/test_vae.py). Memory: the latents, 2 frames of features per causal conv and one chunk
+    of pixels.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if vae.config.patch_size is not None:
-        raise ValueError("a VAE with patch_size (Wan2.2's) is not Wan2.1's")
-    # The whole video's post_quant_conv at once, as `decode` runs it: a frame at a time is not
+    # The whole video's post-quant conv at once, as `decode` runs it: a frame at a time is not
     # bit-equal (another conv algorithm). It holds the latents on the device: 16 values a latent
     # pixel, 0.4 GB in float32 for 1,101 frames at 60 x 104.
-    x = vae.post_quant_conv(_denormalised(vae, latents))
-    feat_cache: list = [None] * _decoder_convs(vae)
+    x = vae.conv2(_denormalised(vae, latents))
+    stream = vae.decode_stream()
     pending = []
     for i in range(x.shape[2]):
-        frame = x[:, :, i : i + 1]
-        out = vae.decoder(frame, feat_cache=feat_cache, feat_idx=[0], first_chunk=i == 0)
-        pending.append(out.clamp(-1.0, 1.0))
+        pending.append(stream(x[:, :, i : i + 1]).clamp(-1.0, 1.0))
         if len(pending) == chunk or i == x.shape[2] - 1:
             yield torch.cat(pending, 2)
             pending = []
 
 
 def iter_decoded_batch(
-    vae: AutoencoderKLWan, latents: torch.Tensor, chunk: int = 1
+    vae: WanVAE, latents: torch.Tensor, chunk: int = 1
 ) -> Iterator[list[torch.Tensor]]:
     """Per chunk, the uint8 frames [t, 8H, 8W, 3] of each video of a batch [B, C, F, H, W]
     decoded side by side (one decoder call for all: what several rollouts in lockstep cost in
@@ -402,7 +436,7 @@ def iter_decoded_batch(
 
 
 def iter_decoded_frames(
-    vae: AutoencoderKLWan, latents: torch.Tensor, chunk: int = 1
+    vae: WanVAE, latents: torch.Tensor, chunk: int = 1
 ) -> Iterator[torch.Tensor]:
     """uint8 frames [t, 8H, 8W, 3] on the CPU as they are decoded, `chunk` latent frames at a
     time (1 pixel frame for the first latent frame, 4 for each after), equal to
@@ -412,10 +446,11 @@ def iter_decoded_frames(
 
 
 @torch.no_grad()
-def encode_frames(vae: AutoencoderKLWan, frames: torch.Tensor) -> torch.Tensor:
+def encode_frames(vae: WanVAE, frames: torch.Tensor) -> torch.Tensor:
     """uint8 frames [T, H, W, 3] (H, W multiples of 8) -> normalised float32 latents
     [C, 1 + (T - 1) // 4, H / 8, W / 8] on the VAE's device: pixels x / 255 * 2 - 1, the
-    posterior mean mu, then `(mu - mean) * (1 / std)`, the original's form of (mu - mean) / std."""
+    posterior mean mu (`WanVAE.encode`, diffusers' `encode(x).latent_dist.mean`), then
+    `(mu - mean) * (1 / std)`, the original's form of (mu - mean) / std."""
     if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
     height, width = frames.shape[1:3]
@@ -423,7 +458,7 @@ def encode_frames(vae: AutoencoderKLWan, frames: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"frames of {height}x{width}: height and width must be multiples of 8")
     x = frames.to(device=vae.device).permute(3, 0, 1, 2).unsqueeze(0).float()
     x = (x / 255.0 * 2 - 1).to(vae.dtype)
-    mu = vae.encode(x).latent_dist.mean[0].float()
+    mu = vae.encode(x)[0].float()
     mean, std = _statistics(mu.device)
     return (mu - mean) * (1 / std)
 
@@ -437,14 +472,33 @@ def tiny_vae_config(base_dim: int = 2) -> dict[str, Any]:
     return {**WAN21_VAE_CONFIG, "base_dim": base_dim}
 
 
-def random_vae(config: Mapping[str, Any] | None = None, seed: int = 0) -> AutoencoderKLWan:
-    """An `AutoencoderKLWan` of `config` (`tiny_vae_config()` when None) with every parameter
-    random and distinct (norm gains 1 + noise, biases noise), float32, eval mode."""
-    autoencoder, _, _ = _diffusers()
+def _diffusers_order(names: list[str]) -> list[str]:
+    """`names` (a `WanVAE`'s parameters) in `AutoencoderKLWan`'s order, which registers a mid
+    block's attention (middle.1) before its residual blocks (middle.0, middle.2)."""
+    middle: dict[str, int] = {}  # encoder, decoder -> the position of its middle's first
+    for i, name in enumerate(names):
+        if name.split(".")[1] == "middle":
+            middle.setdefault(name.split(".")[0], i)
+
+    def position(item: tuple[int, str]) -> tuple[int, int]:
+        i, name = item
+        parts = name.split(".")
+        return (middle[parts[0]], 0) if parts[1:3] == ["middle", "1"] else (i, 1)
+
+    return [name for _, name in sorted(enumerate(names), key=position)]
+
+
+def random_vae(config: Mapping[str, Any] | None = None, seed: int = 0) -> WanVAE:
+    """A `WanVAE` of `config` (`tiny_vae_config()` when None) with every parameter random and
+    distinct (norm gains 1 + noise, biases noise, weights noise / sqrt(fan-in)), float32, eval
+    mode. Drawn in diffusers' parameter order: a seed gives the weights it gave when the network
+    was diffusers' `AutoencoderKLWan` (tests/test_vae.py)."""
     generator = torch.Generator().manual_seed(seed)
-    vae = autoencoder.from_config(dict(tiny_vae_config() if config is None else config))
+    vae = WanVAE(tiny_vae_config() if config is None else config)
+    params = dict(vae.named_parameters())
     with torch.no_grad():
-        for name, param in vae.named_parameters():
+        for name in _diffusers_order(list(params)):
+            param = params[name]
             noise = torch.randn(param.shape, generator=generator)
             if name.endswith("gamma"):
                 param.copy_(1 + 0.2 * noise)

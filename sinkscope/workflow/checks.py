@@ -204,6 +204,8 @@ def check_config(config: dict) -> None:
             )
         _check_sampler(config, name)
         _check_text_fits(config, name, model)
+    for key in ("capture.token_runs", "figures.runs"):
+        _check_runs(config, key)
     captured = frame_layers(config)
     for layer, _ in config["figures"]["heads"]:
         if layer not in captured:
@@ -284,6 +286,24 @@ def _check_export(config: dict) -> None:
             f"capture.tokens: false layers {pooled_only} have only frame-level mean logits "
             "(export.measure: logits, or survey them: capture.survey)"
         )
+
+
+def _check_runs(config: dict, key: str) -> None:
+    """A list of [checkpoint, prompt] runs (`capture.token_runs`, `figures.runs`) names known
+    runs, once each."""
+    section, name = key.split(".")
+    runs = config[section].get(name)
+    seen = set()
+    for checkpoint, prompt in runs or []:
+        for what, value, known in (
+            ("checkpoint", checkpoint, config["checkpoints"]),
+            ("prompt", prompt, config["prompts"]),
+        ):
+            if value not in known:
+                raise ConfigError(f"{key}: {what} {value!r} is not one of {sorted(known)}")
+        if (checkpoint, prompt) in seen:
+            raise ConfigError(f"{key}: [{checkpoint}, {prompt}] is listed twice")
+        seen.add((checkpoint, prompt))
 
 
 def _check_closed_loop(config: dict) -> None:

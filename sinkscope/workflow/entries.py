@@ -93,6 +93,32 @@ def token_layers(config: dict) -> list[int]:
     return sorted(config["layers"])
 
 
+def token_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs with a token store of every token layer:
+    `capture.token_runs`, or every pair; none without token layers."""
+    if not token_layers(config):
+        return []
+    runs = config["capture"].get("token_runs")
+    if runs is None:
+        return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
+    return [(c, p) for c, p in runs]
+
+
+def token_stores(config: dict) -> list[tuple[str, str, int]]:
+    """(checkpoint, prompt, layer) of every token store, one extraction job each: the token
+    layers of `token_runs`, and in every run the token layers that are not surveyed (their frame
+    datasets come from the token store)."""
+    runs = set(token_runs(config))
+    surveyed = set(survey_layers(config)) if runs else set()
+    return [
+        (c, p, layer)
+        for c in config["checkpoints"]
+        for p in config["prompts"]
+        for layer in token_layers(config)
+        if (c, p) in runs or layer not in surveyed
+    ]
+
+
 def survey_layers(config: dict) -> list[int]:
     """Layers with attention stores (`capture.survey`): none, every layer of the model (`all`,
     the same for every checkpoint), or the listed ones."""
@@ -118,6 +144,14 @@ def frame_layers(config: dict) -> list[int]:
 def closed_loop_policies(config: dict) -> list[str]:
     """The KV-cache policies rolled out in the closed loop (`closed_loop.policies`)."""
     return list(config.get("closed_loop", {}).get("policies", []))
+
+
+def figure_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs whose own figures are drawn: `figures.runs`, or every pair."""
+    runs = config["figures"].get("runs")
+    if runs is None:
+        return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
+    return [(c, p) for c, p in runs]
 
 
 def closed_loop_runs(config: dict) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from .entries import (
     survey_layers,
     survey_video_runs,
     token_layers,
+    token_stores,
     video_runs,
 )
 from .resources import (
@@ -112,11 +113,8 @@ def storage_plan(config: dict) -> list[Family]:
     closed loop) and what `snakemake export` would add."""
     checkpoints, prompts = list(config["checkpoints"]), list(config["prompts"])
     tokens = Family("token stores", "results/logits")
-    for c in checkpoints:
-        per_job = job_disk_bytes(config, c, "extract")
-        for p in prompts:
-            for layer in token_layers(config):
-                tokens.jobs[f"extract {c}/{p}/layer{layer}"] = per_job
+    for c, p, layer in token_stores(config):
+        tokens.jobs[f"extract {c}/{p}/layer{layer}"] = job_disk_bytes(config, c, "extract")
     surveyed = survey_layers(config)
     attention = Family("attention stores", "results/attention")
     for c in checkpoints if surveyed else []:
@@ -128,6 +126,7 @@ def storage_plan(config: dict) -> list[Family]:
         loop.jobs[f"closed_loop {c}/{p}"] = job_disk_bytes(config, c, "closed_loop")
     exports = Family("exports (snakemake export only)", "results/export")
     exported = export_layers(config)
+    stored = set(token_stores(config))
     for c in checkpoints:
         g = store_geometry(config, c)
         per_layer = export_bytes(
@@ -138,6 +137,8 @@ def storage_plan(config: dict) -> list[Family]:
             measure=config["export"]["measure"],
         )
         for p in prompts:
+            if any((c, p, layer) not in stored for layer in exported):
+                continue  # no token store to export (capture.token_runs)
             exports.jobs[f"export_run {c}/{p}"] = len(exported) * (
                 per_layer["figure4"] + per_layer["logit_cache"] + per_layer["shapes_cache"]
             ) + per_layer["frames"] * len(set(token_layers(config)) | set(surveyed))

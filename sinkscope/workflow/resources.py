@@ -297,7 +297,7 @@ def gpu_memory_bytes(config: dict, name: str, job: str, num_frames: int | None =
 
 # --- the VAE decode (rule videos) --------------------------------------------------------------
 
-# Wan2.1's VAE (`sinkscope.wan.vae.WAN21_VAE_CONFIG`: diffusers' AutoencoderKLWan) at base_dim C:
+# Wan2.1's VAE (`sinkscope.wan.vae.WAN21_VAE_CONFIG`; `wan.vae_net.WanVAE`) at base_dim C:
 # the decoder's levels run at 4C, 4C, 4C, 2C, C channels from the latent resolution up, each up
 # block 3 residual blocks, the first two blocks' upsamplers temporal (x2 frames) and spatial, the
 # third's spatial only, the fourth at full resolution (8x the latent's height and width).
@@ -306,7 +306,7 @@ VAE_Z_DIM = 16
 VAE_DIM_MULT = (1, 2, 4, 4)
 VAE_RES_BLOCKS = 2
 VAE_TEMPORAL_DOWN = (False, True, True)  # the encoder's; the decoder's is its reverse
-VAE_CACHE_FRAMES = 2  # diffusers' CACHE_T: a causal conv keeps the last 2 frames of its input
+VAE_CACHE_FRAMES = 2  # Wan's CACHE_T: a causal conv keeps the last 2 frames of its input
 VAE_CALL_FRAMES = 4  # pixel frames of one decoder call (one latent frame) past the first
 # float32 values of the decode whatever the VAE's dtype: WanUpsample upsamples in float32.
 FLOAT32 = 4
@@ -420,7 +420,7 @@ def vae_decode_bytes(
       reorders it on a CPU, where the decode measured it; an allowance for cuDNN's workspace);
     - `output`: one call's 4 pixel frames (3 channels): the decoder's output and its clamp in the
       VAE's dtype, two float32 temporaries of `frames_to_uint8` and the uint8 frames;
-    - `latents` (with `num_frames`): `post_quant_conv` of the whole latents, which the decode
+    - `latents` (with `num_frames`): the post-quant conv of the whole latents, which the decode
       holds in the VAE's dtype throughout (16 values a latent pixel and frame). At its start,
       before the cache fills, 3 float32 copies of them are made while they are de-normalised:
       not counted (smaller unless a batch is thousands of frames long).

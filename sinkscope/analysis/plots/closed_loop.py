@@ -595,7 +595,8 @@ def plot_closed_loop_collapse(
     return fig
 
 
-SWITCHES_TITLE = "Closed loop: sink and own-block attention across the prompt switches"
+SWITCHES_TITLE = "Closed loop: sink and own-block attention per query block"
+SWITCHES_ACROSS = " across the prompt switches"  # added where a run switches its prompt
 SWITCH_STYLE = {"color": "0.35", "linewidth": 0.7, "linestyle": "--"}
 SWITCH_ROWS = 8  # (rollout, layer) rows drawn at most; the note names how many are left out
 
@@ -641,7 +642,11 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     runs = sorted({(str(key[0]), str(key[1])) for key, _ in groups})  # named once when one
     heads = sorted({int(head) for head in shown["head"]})
     colors = dict(zip(heads, series_colors(len(heads)), strict=True))
-    fig.set_figheight(1.45 * len(groups) + 1.1)
+    layers = sorted({int(key[9]) for key, _ in groups})
+    # A head is named as everywhere else (L0H0) where every row shows the same layer.
+    head_label = (lambda h: f"L{layers[0]}H{h}") if len(layers) == 1 else (lambda h: f"H{h}")
+    # Rows without a switch show one trend each: shorter ones suffice.
+    fig.set_figheight((1.45 if switching.any() else 1.1) * len(groups) + 1.1)
     axes = fig.subplots(len(groups), 2, sharex=True, squeeze=False)
     marked = False
     for (key, rows), row_axes in zip(groups, axes, strict=True):
@@ -654,7 +659,8 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
             x = per_head["first_frame"].to_numpy()
             for ax, column in zip(row_axes, ("sink_mass", "own_mass"), strict=True):
                 ax.plot(x, per_head[column].to_numpy(dtype=float), color=colors[int(head)],
-                        linewidth=0.7, marker=".", markersize=2, label=f"head {head}")  # fmt: skip
+                        linewidth=0.7, marker=".", markersize=2,
+                        label=head_label(int(head)))  # fmt: skip
         for ax in row_axes:
             for segment, frame in enumerate(switches, start=1):
                 ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
@@ -678,7 +684,8 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=7)
     note = f"\n{left_out} more (rollout, layer) rows in switches.csv" if left_out > 0 else ""
     where = f"\n{runs[0][0]} · {runs[0][1]}" if titles and len(runs) == 1 else ""
-    fig.suptitle(f"{SWITCHES_TITLE}{where}{note}")
+    across = SWITCHES_ACROSS if marked else ""
+    fig.suptitle(f"{SWITCHES_TITLE}{across}{where}{note}")
     return fig
 
 
