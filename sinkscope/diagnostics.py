@@ -8,7 +8,8 @@ S = 0 the caller passes the first block's frames instead.
 - `sink_distance` (per latent frame, LoL's diagnostic 1): min over the sink frames s of
   ||x_f - x_s||_2 over the clean latents x [C, F, H, W] in float64, divided by the median of that
   minimum over the frames f >= S of the same rollout. About 1 where the video is as far from its
-  sinks as it usually is; LoL sees about 0.4 where it collapses back to them.
+  sinks as it usually is; LoL sees about 0.4 where it collapses back to them. The sink frames
+  themselves get NaN: their distance to the sinks is 0 by construction, not a collapse.
 - LoL's diagnostic 2, the share of a layer's heads that are sinks, needs attention stores: it
   lives in `sinkscope.analysis.diagnostics` (the mass of a (pass, head, query frame) on the sink
   frames is a sink when it reaches the statistics' threshold, `analysis.stats.is_sink`).
@@ -81,7 +82,8 @@ def sink_distance(latents: np.ndarray, sink_frames: int) -> np.ndarray:
     """LoL's diagnostic 1 for each latent frame f of `latents` [C, F, H, W] (the clean latents of
     one rollout): min over the sink frames s < `sink_frames` of ||x_f - x_s||_2 (float64, over
     the frame's channels x height x width), divided by the median of that minimum over the frames
-    f >= `sink_frames`. Returns float64 [F]; the sink frames themselves get 0. With S = 0 the
+    f >= `sink_frames`. Returns float64 [F]; the sink frames themselves get NaN (0 by
+    construction: drawn, it reads as a collapse at the start of every rollout). With S = 0 the
     caller passes the first block's size. A rollout whose later frames all equal a sink frame
     (median 0) has no scale: every value is NaN.
 
@@ -110,7 +112,9 @@ def sink_distance(latents: np.ndarray, sink_frames: int) -> np.ndarray:
     scale = float(np.median(nearest[sink_frames:]))
     if not scale > 0:
         return np.full(frames, np.nan)
-    return nearest / scale
+    distance = nearest / scale
+    distance[:sink_frames] = np.nan
+    return distance
 
 
 def _local_maxima(values: np.ndarray) -> np.ndarray:

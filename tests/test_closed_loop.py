@@ -165,7 +165,7 @@ def _sink_distance(latents: torch.Tensor, sinks: int) -> list[float]:
     frames = x.shape[1]
     dist = [min(float((x[:, f] - x[:, s]).norm()) for s in range(sinks)) for f in range(frames)]
     median = float(np.median(dist[sinks:]))
-    return [d / median for d in dist]
+    return [float("nan") if f < sinks else d / median for f, d in enumerate(dist)]
 
 
 def _loop(tmp_path, common, settings, name, policy, **kwargs):
@@ -196,7 +196,7 @@ def test_closed_loop_job_writes_latents_and_its_tables(tmp_path):
     # The full cache has no deviation of its own; its sink distance is LoL's, sinks = block 0.
     assert all(r["rel_l2"] == "" and r["cosine"] == "" for r in rows_full)
     expected = _sink_distance(reference, 2)
-    np.testing.assert_allclose([float(r["sink_distance"]) for r in rows_full], expected, 1e-12)
+    np.testing.assert_allclose([float(r["sink_distance"] or "nan") for r in rows_full], expected, 1e-12)
     assert [(int(b["first_frame"]), int(b["query_position"])) for b in blocks_full] == [
         (f, f) for f in range(0, 12, 2)
     ]
@@ -222,7 +222,7 @@ def test_closed_loop_job_writes_latents_and_its_tables(tmp_path):
     assert all(float(r["rel_l2"]) > 1e-4 for r in window[6:])
     assert all(float(r["rel_l2"]) == 0.0 for r in rows["covering"])
     np.testing.assert_allclose(
-        [float(r["sink_distance"]) for r in window], _sink_distance(latents, 1), 1e-12
+        [float(r["sink_distance"] or "nan") for r in window], _sink_distance(latents, 1), 1e-12
     )
 
     # Without a reference: the same rollout, the diagnostics only.
@@ -400,7 +400,9 @@ def test_the_long_video_demo_runs_without_a_reference(demo_run, tmp_path):
     policies.append("logit_bias")
     blocks = pd.read_csv(root / "results/closed_loop/blocks.csv")
     assert sorted(set(blocks["policy"])) == sorted(policies)
-    assert blocks["sink_share"].between(0, 1).all() and set(blocks["layer"]) == {0}
+    later = blocks[blocks["block"] > 0]  # the first block has no share: it sees only itself
+    assert later["sink_share"].between(0, 1).all() and set(blocks["layer"]) == {0}
+    assert blocks[blocks["block"] == 0]["sink_share"].isna().all()
     summary = pd.read_csv(root / "results/closed_loop/summary.csv")
     assert summary["rel_l2_mean"].isna().all()
     positions = pd.read_csv(folder / "relative.blocks.csv")

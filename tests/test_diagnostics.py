@@ -85,7 +85,7 @@ def plain_sink_distance(x: np.ndarray, sinks: int) -> list[float]:
     rest = sorted(nearest[sinks:])
     n = len(rest)
     median = rest[n // 2] if n % 2 else (rest[n // 2 - 1] + rest[n // 2]) / 2
-    return [v / median for v in nearest]
+    return [math.nan if f < sinks else v / median for f, v in enumerate(nearest)]
 
 
 def test_sink_distance_by_hand():
@@ -94,9 +94,10 @@ def test_sink_distance_by_hand():
     x = np.array([[[[0, 0]], [[3, 4]], [[0, 1]], [[6, 8]], [[3, 4]]]], dtype=np.float32)
     got = diagnostics.sink_distance(x, 1)
     assert got.dtype == np.float64
-    np.testing.assert_allclose(got, [0, 1, 0.2, 2, 1], rtol=1e-15)
+    # the sink frame itself: NaN (its distance 0 is no collapse)
+    np.testing.assert_allclose(got, [np.nan, 1, 0.2, 2, 1], rtol=1e-15)
     # two sinks: frame f's nearest of frames 0 and 1: 0, 0, 1, 5, 0 -> median of 1, 5, 0 is 1
-    np.testing.assert_allclose(diagnostics.sink_distance(x, 2), [0, 0, 1, 5, 0])
+    np.testing.assert_allclose(diagnostics.sink_distance(x, 2), [np.nan, np.nan, 1, 5, 0])
 
 
 def test_sink_distance_against_loops_in_chunks(monkeypatch):
@@ -276,7 +277,8 @@ def plain_sink_shares(ds: xr.Dataset, sinks: int, threshold: float) -> dict:
                             total += float(mass[step, head, f, slot])
                     per_frame.append(total)
                 count += sum(per_frame) / len(per_frame) >= threshold
-            shares[(step, b)] = count / HEADS
+            # the first block sees only itself (the sinks among its frames): no share
+            shares[(step, b)] = math.nan if b == 0 else count / HEADS
     return shares
 
 
@@ -317,7 +319,8 @@ def test_block_table_against_loops(tmp_path, monkeypatch):
         b = row.block
         assert (row.first_frame, row.frames) == (b * BLOCK, BLOCK)
         mine = frames[row.policy]
-        assert row.sink_distance == min(mine["sink_distance"][b * BLOCK : (b + 1) * BLOCK])
+        own = [d for d in mine["sink_distance"][b * BLOCK : (b + 1) * BLOCK] if not math.isnan(d)]
+        assert row.sink_distance == min(own) if own else math.isnan(row.sink_distance)
         w = [10000 ** (-2 * k / 44) for k in range(22)]
         phase = sum(math.cos(x * (queries[b] + i - sinks[b])) for i in range(BLOCK) for x in w) / (
             22 * BLOCK
@@ -327,7 +330,8 @@ def test_block_table_against_loops(tmp_path, monkeypatch):
             assert pd.isna(row.layer) and pd.isna(row.step) and row.pass_kind == ""
             assert math.isnan(row.sink_share)
             continue
-        assert row.sink_share == pytest.approx(plain[(row.policy, row.layer)][(row.step, b)])
+        expected = plain[(row.policy, row.layer)][(row.step, b)]
+        assert row.sink_share == pytest.approx(expected, nan_ok=True)
         assert (row.timestep, row.pass_kind) == STEPS[row.step]
         seen_shares.add(row.sink_share)
     assert len(seen_shares) > 2  # the fixture tells the shares apart
@@ -351,8 +355,10 @@ def test_without_sink_frames_the_first_block_is_the_sink(tmp_path):
     )
     plain = plain_sink_shares(ds, BLOCK, 0.5)
     for row in table.itertuples(index=False):
-        assert row.sink_share == pytest.approx(plain[(row.step, row.block)])
-    assert (table[table["block"] == 0]["sink_share"] == 1.0).all()  # block 0 sees only itself
+        assert row.sink_share == pytest.approx(plain[(row.step, row.block)], nan_ok=True)
+    # Block 0 sees only itself: every head would count as a sink (1.0 under any cache); no share.
+    assert table[table["block"] == 0]["sink_share"].isna().all()
+    assert table[table["block"] > 0]["sink_share"].notna().all()
 
 
 def test_block_table_refusals_name_the_file(tmp_path):

@@ -24,8 +24,9 @@ Per (rollout, block) and, where stores were captured, per (layer, captured pass)
   positions query_position .. query_position + frames - 1 against sink_position;
 - `sink_share` (LoL's diagnostic 2): the share of the layer's heads whose sink mass, averaged over
   the block's query frames, is at least the statistics' sink threshold (`stats.is_sink`,
-  `stats.sink_threshold`); NaN where the pass did not capture the block (no slot seen) and on
-  the rows of a rollout without stores (`layer`, `step`, `timestep`, `pass_kind` empty).
+  `stats.sink_threshold`); NaN where the pass did not capture the block (no slot seen), on the
+  first block (it sees only its own frames, which hold the sinks: every head would count) and
+  on the rows of a rollout without stores (`layer`, `step`, `timestep`, `pass_kind` empty).
 """
 
 from __future__ import annotations
@@ -161,11 +162,12 @@ def block_sink_shares(
     """[step, block]: the share of the heads whose sink `mass` [step, head, query_frame], averaged
     over the block's query frames (first_frames[b] .. + frames[b] - 1), is a sink
     (`stats.is_sink` at `sink_threshold`); NaN where no head has a value (a block the pass did
-    not capture, or one past the store's frames)."""
+    not capture, or one past the store's frames) and for the first block (first frame 0): it
+    sees nothing but its own frames, so its mass on the sinks says nothing of its heads."""
     steps, _, stored = mass.shape
     shares = np.full((steps, len(first_frames)), np.nan)
     for b, (first, count) in enumerate(zip(first_frames, frames, strict=True)):
-        if first + count > stored:
+        if first + count > stored or first == 0:
             continue
         block = mass[:, :, first : first + count]  # [step, head, frame]
         with np.errstate(invalid="ignore"):

@@ -20,6 +20,7 @@ import csv
 import dataclasses
 import io
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -106,13 +107,15 @@ def frame_table_csv(
         rel_l2 = cosine = [""] * len(blocks)
     else:
         rel_l2, cosine = (list(map(repr, values)) for values in frame_deviation(latents, reference))
-    distance = sink_distance(latents.double().numpy(), sink_frames or sizes[0]).tolist()
+    distance = sink_distance(latents.double().numpy(), sink_frames or sizes[0])
+    # empty where undefined (the sink frames themselves), as the deviation without a reference
+    distance = ["" if math.isnan(d) else repr(d) for d in distance.tolist()]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(FRAME_TABLE_COLUMNS)
     run = _run_keys(checkpoint, prompt, policy)
     for frame, block in enumerate(blocks):
-        writer.writerow([*run, frame, block, rel_l2[frame], cosine[frame], repr(distance[frame])])
+        writer.writerow([*run, frame, block, rel_l2[frame], cosine[frame], distance[frame]])
     return out.getvalue()
 
 
