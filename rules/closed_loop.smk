@@ -113,6 +113,8 @@ rule closed_loop_summary:
         ],
     log:
         "results/logs/closed_loop/summary.log",
+    # The closed loop's chain first: the video summary waits for this table.
+    priority: 2
     conda:
         "../envs/analysis.yaml"
     params:

@@ -153,6 +153,8 @@ rule video_summary:
         ],
     log:
         "results/logs/videos/summary.log",
+    # The end of the longest chain: started as soon as its inputs are there.
+    priority: 2
     conda:
         "../envs/analysis.yaml"
     params:

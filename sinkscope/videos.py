@@ -271,6 +271,24 @@ def read_frames(path: str | os.PathLike) -> Iterator[np.ndarray]:
             yield frame.to_ndarray(format="rgb24", interpolation=_TO_RGB)
 
 
+def read_frames_at(path: str | os.PathLike, indices: Iterable[int]) -> dict[int, np.ndarray]:
+    """Frames `indices` of a video's first video stream (uint8 RGB [H, W, 3] each, as
+    `read_frames` gives them), decoded in order up to the last one wanted; only those are
+    converted to RGB (the conversion, not the decode, is most of a small frame's time)."""
+    wanted = {int(index) for index in indices}
+    found: dict[int, np.ndarray] = {}
+    if not wanted:
+        return found
+    last = max(wanted)
+    with av.open(str(path)) as container:
+        for index, frame in enumerate(container.decode(video=0)):
+            if index in wanted:
+                found[index] = frame.to_ndarray(format="rgb24", interpolation=_TO_RGB)
+            if index >= last:
+                break
+    return found
+
+
 def write_video_page(
     video: str | os.PathLike, page: str | os.PathLike, *, title: str, note: str = ""
 ) -> Path:

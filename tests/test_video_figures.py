@@ -38,7 +38,7 @@ from sinkscope.video_metrics import (
     read_video_metrics,
     video_metrics,
 )
-from sinkscope.videos import read_frames, write_video
+from sinkscope.videos import read_frames, read_frames_at, write_video
 
 from .figurefixtures import svg_texts
 from .workflowtools import REPO
@@ -271,6 +271,10 @@ def test_strip_rows_columns_frames_and_marks(peaked_inputs, monkeypatch):
     assert titles == [f"f {f}\n{shown_pixel_frame(f) / 16:.1f} s" for f in columns]
     for rollout in ROLLOUTS:
         decoded = list(read_frames(data["videos"][rollout]))
+        # what the strip reads: those frames alone, the same bytes as a full decode gives
+        picked = read_frames_at(data["videos"][rollout], [5, 0, len(decoded) - 1])
+        assert sorted(picked) == [0, 5, len(decoded) - 1]
+        assert all(np.array_equal(picked[i], decoded[i]) for i in picked)
         written = synthetic_frames(rollout, len(decoded) // 4 + 1)
         for frame in columns:
             ax = cells[rollout, frame]

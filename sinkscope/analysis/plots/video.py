@@ -232,18 +232,9 @@ def read_strip_frames(
 ) -> dict[int, np.ndarray]:
     """The frames `pixel_frames` of a video (uint8 [H, W, 3] each), decoded in order and
     stopping after the last one wanted."""
-    from sinkscope.videos import read_frames  # PyAV takes 0.4 s to import: only here
+    from sinkscope.videos import read_frames_at  # PyAV takes 0.4 s to import: only here
 
-    wanted = {int(frame) for frame in pixel_frames}
-    found: dict[int, np.ndarray] = {}
-    if not wanted:
-        return found
-    for index, frame in enumerate(read_frames(path)):
-        if index in wanted:
-            found[index] = frame
-            if len(found) == len(wanted):
-                break
-    return found
+    return read_frames_at(path, pixel_frames)
 
 
 def _mark_cell(ax: Axes, evicted: bool, dip: bool, peak: bool) -> None:
