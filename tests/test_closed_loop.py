@@ -196,7 +196,9 @@ def test_closed_loop_job_writes_latents_and_its_tables(tmp_path):
     # The full cache has no deviation of its own; its sink distance is LoL's, sinks = block 0.
     assert all(r["rel_l2"] == "" and r["cosine"] == "" for r in rows_full)
     expected = _sink_distance(reference, 2)
-    np.testing.assert_allclose([float(r["sink_distance"] or "nan") for r in rows_full], expected, 1e-12)
+    np.testing.assert_allclose(
+        [float(r["sink_distance"] or "nan") for r in rows_full], expected, 1e-12
+    )
     assert [(int(b["first_frame"]), int(b["query_position"])) for b in blocks_full] == [
         (f, f) for f in range(0, 12, 2)
     ]
