@@ -81,7 +81,8 @@ HEAD_LAYERS = sorted({layer for layer, _ in config["figures"]["heads"]})
 # figures.heads; figure4 and the compare figures the layers of figures.heads; the survey figures
 # every surveyed layer.
 RUN_FIGURE_LAYERS = sorted(set(TOKEN_LAYERS) | set(HEAD_LAYERS))
-FIGURE_RUNS = figure_runs(config)  # the (checkpoint, prompt) pairs whose own figures are drawn
+# The (checkpoint, prompt) pairs whose own figures are drawn (figures.runs).
+FIGURE_RUNS = figure_runs(config)
 RUN_FIGURES = run_figures(
     "results/figures/{checkpoint}/{prompt}",
     RUN_FIGURE_LAYERS,

@@ -15,6 +15,8 @@ rule policies:
         "results/policies/{checkpoint}/{prompt}.csv",
     log:
         "results/logs/policies/{checkpoint}/{prompt}.log",
+    # Tables before the figures that read them: the last jobs then run side by side.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     threads: 1

@@ -11,6 +11,8 @@ rule reduce:
         "results/logs/reduce/{checkpoint}/{prompt}/layer{layer}.log",
     wildcard_constraints:
         layer=one_of(map(str, TOKEN_REDUCED_LAYERS)),
+    # Tables before the figures that read them: the last jobs then run side by side.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     threads: 1
@@ -38,6 +40,8 @@ if SURVEY_LAYERS:
             ],
         log:
             "results/logs/reduce_attention/{checkpoint}/{prompt}.log",
+        # Tables before the figures that read them: the last jobs then run side by side.
+        priority: 1
         conda:
             "../envs/analysis.yaml"
         threads: 1

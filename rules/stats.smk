@@ -11,6 +11,8 @@ rule stats:
         expand("results/stats/{{checkpoint}}/{{prompt}}/layer{layer}.csv", layer=LAYERS),
     log:
         "results/logs/stats/{checkpoint}/{prompt}.log",
+    # Tables before the figures that read them: the last jobs then run side by side.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     params:
