@@ -30,6 +30,8 @@ rule figures:
         ],
     log:
         "results/logs/figures/{checkpoint}/{prompt}.log",
+    # The longest of the last jobs: started before the short ones, which then fill the gaps.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     params:
