@@ -443,6 +443,8 @@ def test_token_runs_and_stores():
         (c, p) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")
     }
     assert entries.token_stores(checked(lambda c: c.update(layers=[]))) == []
+    # No run listed: the surveyed token layers have no token store at all.
+    assert entries.token_stores(checked(lambda c: c["capture"].update(token_runs=[]))) == []
 
 
 def test_figure_runs():

@@ -108,8 +108,10 @@ def token_stores(config: dict) -> list[tuple[str, str, int]]:
     """(checkpoint, prompt, layer) of every token store, one extraction job each: the token
     layers of `token_runs`, and in every run the token layers that are not surveyed (their frame
     datasets come from the token store)."""
+    if not token_layers(config):
+        return []
     runs = set(token_runs(config))
-    surveyed = set(survey_layers(config)) if runs else set()
+    surveyed = set(survey_layers(config))
     return [
         (c, p, layer)
         for c in config["checkpoints"]
