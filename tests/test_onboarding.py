@@ -113,7 +113,8 @@ def real_config(root: Path) -> dict:
     }
     config["prompts"]["fox"] = {"text": "A red fox", "embeddings": str(root / "fox.safetensors")}
     config["closed_loop"]["policies"] = []
-    config["capture"].pop("token_runs")  # the demo's run: every run has its token stores here
+    config["capture"].pop("token_runs")  # the demo's runs: every run has its token stores here
+    config["figures"].pop("runs")  # ... and its own figures
     return config
 
 
@@ -455,7 +456,8 @@ def test_the_prompts_file_is_merged_before_the_rules_read_the_prompts(tmp_path):
     alone = _demo_with_prompts_file(tmp_path, PROMPTS_TXT)
     del alone["prompts"]
     alone["closed_loop"]["policies"] = []
-    alone["capture"].pop("token_runs")  # the demo's names a prompt of its own
+    alone["capture"].pop("token_runs")  # the demo's runs name prompts of its own
+    alone["figures"].pop("runs")
     assert list(checked(alone, REPO)["prompts"]) == NAMES
 
 
@@ -534,6 +536,7 @@ def test_a_dry_run_plans_one_encode_job_per_prompt_of_the_file(tmp_path):
         config.update(prompts_file="prompts.txt", prompts_limit=2)
         config["closed_loop"]["runs"] = [["demo_a", NAMES[0]]]
         config["capture"]["token_runs"] = [["demo_a", NAMES[0]]]
+        config["figures"]["runs"] = [["demo_a", NAMES[0]]]
 
     edit_config(workdir, use_the_file)
     jobs = planned_jobs(workdir)

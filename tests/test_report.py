@@ -35,7 +35,7 @@ LAYERS = sorted(CONFIG["layers"])
 HEAD_LAYERS = sorted({layer for layer, _ in CONFIG["figures"]["heads"]})
 # Per-layer figures: the token layers and those of figures.heads.
 FIGURE_LAYERS = sorted({*LAYERS, *HEAD_LAYERS})
-RUNS = [(c, p) for c in CONFIG["checkpoints"] for p in CONFIG["prompts"]]
+RUNS = [tuple(run) for run in CONFIG["figures"]["runs"]]  # the runs with their own figures
 VIDEO_RUNS = [tuple(run) for run in CONFIG["closed_loop"]["runs"]]  # decoded: videos closed_loop
 SURVEY_LAYERS = survey_layers(checked())  # `all`: every layer of the demo model
 
@@ -145,7 +145,7 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     # figures per run; 3 across runs, the survey's sink rates of every run and 4 of the closed loop;
     # 2 video figures per decoded closed-loop run.
     per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
-    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 + 2 * len(VIDEO_RUNS) == 74
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 + 2 * len(VIDEO_RUNS) == 42
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
