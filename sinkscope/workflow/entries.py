@@ -93,15 +93,18 @@ def token_layers(config: dict) -> list[int]:
     return sorted(config["layers"])
 
 
-def token_runs(config: dict) -> list[tuple[str, str]]:
-    """(checkpoint, prompt) pairs with a token store of every token layer:
-    `capture.token_runs`, or every pair; none without token layers."""
-    if not token_layers(config):
-        return []
-    runs = config["capture"].get("token_runs")
+def listed_runs(config: dict, section: str, key: str = "runs") -> list[tuple[str, str]]:
+    """The (checkpoint, prompt) pairs `config[section][key]` lists, or every pair without it."""
+    runs = config[section].get(key)
     if runs is None:
         return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
     return [(c, p) for c, p in runs]
+
+
+def token_runs(config: dict) -> list[tuple[str, str]]:
+    """(checkpoint, prompt) pairs with a token store of every token layer:
+    `capture.token_runs`, or every pair; none without token layers."""
+    return listed_runs(config, "capture", "token_runs") if token_layers(config) else []
 
 
 def token_stores(config: dict) -> list[tuple[str, str, int]]:
@@ -150,21 +153,13 @@ def closed_loop_policies(config: dict) -> list[str]:
 
 def figure_runs(config: dict) -> list[tuple[str, str]]:
     """(checkpoint, prompt) pairs whose own figures are drawn: `figures.runs`, or every pair."""
-    runs = config["figures"].get("runs")
-    if runs is None:
-        return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
-    return [(c, p) for c, p in runs]
+    return listed_runs(config, "figures")
 
 
 def closed_loop_runs(config: dict) -> list[tuple[str, str]]:
     """(checkpoint, prompt) pairs of the closed loop: `closed_loop.runs`, or every pair; none
     without policies."""
-    if not closed_loop_policies(config):
-        return []
-    runs = config["closed_loop"].get("runs")
-    if runs is None:
-        return [(c, p) for c in config["checkpoints"] for p in config["prompts"]]
-    return [(c, p) for c, p in runs]
+    return listed_runs(config, "closed_loop") if closed_loop_policies(config) else []
 
 
 def closed_loop_rollouts(config: dict) -> list[str]:
