@@ -4,8 +4,14 @@ Wan cleans the prompt (ftfy, html unescape twice, whitespace collapse), tokenize
 `text_len` tokens with EOS and padding, runs the UMT5 encoder with the padding mask and zeroes the
 padded rows. The result [text_len, d_model] is what the DiT's text embedding receives.
 
-The encoder is either a transformers `UMT5EncoderModel` directory (e.g. `google/umt5-xxl`) or Wan's
-own checkpoint `models_t5_umt5-xxl-enc-bf16.pth`, whose keys are renamed onto `UMT5EncoderModel`.
+The encoder is our own network (`umt5.py`, torch only, transformers' parameter names, proven
+bit-equal to transformers' `UMT5EncoderModel` in tests/test_text.py), loaded from a transformers
+UMT5 directory (e.g. `google/umt5-xxl`: config.json and its weights) or from Wan's own checkpoint
+`models_t5_umt5-xxl-enc-bf16.pth`, whose keys are renamed onto transformers'. The tokenizer is
+the directory's tokenizer.json run by the `tokenizers` library, as transformers' fast tokenizer
+runs it; only a directory without one goes through transformers' `AutoTokenizer`. Importing
+transformers' UMT5 cost ~5 s per encode_prompt job, whose model work on the demo takes
+milliseconds.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ import json
 import logging
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -27,9 +33,7 @@ from sinkscope.storage import atomic_path
 
 from .cleaning import clean_prompt
 from .precision import model_dtype
-
-if TYPE_CHECKING:
-    from transformers import UMT5Config, UMT5EncoderModel
+from .umt5 import UMT5Encoder, UMT5EncoderConfig, umt5_config
 
 EMBEDDINGS_KEY = "prompt_embeds"
 # A prompt of segments: every segment's embeddings [n, L, d], beside the first's under
@@ -57,10 +61,26 @@ _WAN_UMT5_BLOCK_KEYS = {
 }
 _WAN_BLOCK_INDEX = re.compile(r"blocks\.(\d+)\.")
 
+# A transformers UMT5 directory's weights, in the order `from_pretrained` looks for them.
+UMT5_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# Keys of an encoder-decoder checkpoint (google/umt5-xxl is one) that the encoder does not use;
+# transformers' `UMT5EncoderModel` skips them too. Every other key must be the encoder's.
+_NOT_ENCODER = ("decoder.", "lm_head.")
+# The embedding is tied: `save_pretrained` writes `shared.weight` only, others may write both.
+_SHARED, _EMBED_TOKENS = "shared.weight", "encoder.embed_tokens.weight"
+# Special-token entries of tokenizer_config.json / special_tokens_map.json.
+_SPECIAL_TOKENS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+_SPECIAL_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
+
 
 def wan_umt5_key_map(num_layers: int) -> dict[str, tuple[str, ...]]:
     """Wan UMT5 state-dict key -> the `UMT5EncoderModel` keys that receive the same tensor."""
-    key_map = {"token_embedding.weight": ("shared.weight", "encoder.embed_tokens.weight")}
+    key_map = {"token_embedding.weight": (_SHARED, _EMBED_TOKENS)}
     for block in range(num_layers):
         for wan_suffix, hf_suffix in _WAN_UMT5_BLOCK_KEYS.items():
             key_map[f"blocks.{block}.{wan_suffix}"] = (f"encoder.block.{block}.{hf_suffix}",)
@@ -70,11 +90,10 @@ def wan_umt5_key_map(num_layers: int) -> dict[str, tuple[str, ...]]:
 
 def wan_umt5_config(
     state_dict: Mapping[str, torch.Tensor], *, source: str = "state dict"
-) -> UMT5Config:
-    """The `UMT5Config` of a Wan UMT5 encoder state dict, read off its tensor shapes only
-    (so meta tensors suffice). `source` names the dict in error messages."""
-    from transformers import UMT5Config
-
+) -> UMT5EncoderConfig:
+    """The encoder config (transformers' `UMT5Config` names, a dict) of a Wan UMT5 encoder state
+    dict, read off its tensor shapes only (so meta tensors suffice). `source` names the dict in
+    error messages."""
     needed = (
         "token_embedding.weight",
         "blocks.0.pos_embedding.embedding.weight",
@@ -97,26 +116,30 @@ def wan_umt5_config(
             "(heads are read from pos_embedding [num_buckets, num_heads])"
         )
     blocks = {int(m.group(1)) for key in state_dict if (m := _WAN_BLOCK_INDEX.match(key))}
-    return UMT5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=inner_dim // num_heads,
-        d_ff=state_dict["blocks.0.ffn.fc1.weight"].shape[0],
-        # Gaps in the block numbering surface later as missing keys.
-        num_layers=max(blocks) + 1,
-        num_heads=num_heads,
-        relative_attention_num_buckets=num_buckets,
-        relative_attention_max_distance=WAN_UMT5_MAX_DISTANCE,
-        feed_forward_proj="gated-gelu",
-        dense_act_fn="gelu_new",
-        layer_norm_epsilon=WAN_UMT5_LAYER_NORM_EPS,
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-        tie_word_embeddings=False,
+    return umt5_config(
+        {
+            "vocab_size": vocab_size,
+            "d_model": d_model,
+            "d_kv": inner_dim // num_heads,
+            "d_ff": state_dict["blocks.0.ffn.fc1.weight"].shape[0],
+            # Gaps in the block numbering surface later as missing keys.
+            "num_layers": max(blocks) + 1,
+            "num_heads": num_heads,
+            "relative_attention_num_buckets": num_buckets,
+            "relative_attention_max_distance": WAN_UMT5_MAX_DISTANCE,
+            "feed_forward_proj": "gated-gelu",
+            "layer_norm_epsilon": WAN_UMT5_LAYER_NORM_EPS,
+        }
     )
+
+
+def _tensor_dict(state: object, path: Path) -> dict[str, torch.Tensor]:
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+    not_tensors = sorted(str(key) for key, value in state.items() if not torch.is_tensor(value))
+    if not_tensors:
+        raise ValueError(f"{path}: entries that are not tensors: {not_tensors[:10]}")
+    return dict(state)
 
 
 def _read_wan_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -127,12 +150,40 @@ def _read_wan_state_dict(path: Path) -> dict[str, torch.Tensor]:
         state = load_pickled(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"Wan UMT5 checkpoint not found: {path}") from None
-    if not isinstance(state, Mapping):
-        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-    not_tensors = sorted(str(key) for key, value in state.items() if not torch.is_tensor(value))
-    if not_tensors:
-        raise ValueError(f"{path}: entries that are not tensors: {not_tensors[:10]}")
-    return dict(state)
+    return _tensor_dict(state, path)
+
+
+def _build_umt5(
+    config: Mapping,
+    state: dict[str, torch.Tensor],
+    source: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    file_key: Callable[[str], str] = str,
+) -> UMT5Encoder:
+    """`UMT5Encoder` of `config` holding `state` (transformers' keys, the embedding under both
+    of its names), every key and shape checked (errors name `source` and the keys as the file
+    names them, `file_key`), in eval mode on `device` in `dtype`."""
+    from .checkpoint import check_state_keys
+
+    # Meta device: no weights are allocated here; load_state_dict(assign=True) adopts the
+    # converted tensors instead of copying them into fresh ones.
+    with torch.device("meta"):
+        model = UMT5Encoder(config)
+    what = f"a {model.config.num_layers}-layer UMT5 encoder"
+    check_state_keys(model.state_dict(), state, source, what, file_key)
+    wrong = sorted({file_key(k) for k, v in state.items() if not v.is_floating_point()})
+    if wrong:
+        raise ValueError(f"{source}: not floating point: {wrong[:10]}")
+    # The tied embedding (256384 x 4096 in the XXL) converted once, for both of its keys.
+    converted = {
+        key: tensor.to(device=device, dtype=dtype)
+        for key, tensor in state.items()
+        if key != _EMBED_TOKENS
+    }
+    converted[_EMBED_TOKENS] = converted[_SHARED]
+    model.load_state_dict(converted, strict=True, assign=True)
+    return model.eval().requires_grad_(False)
 
 
 def load_wan_umt5(
@@ -140,11 +191,9 @@ def load_wan_umt5(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> UMT5EncoderModel:
-    """transformers' `UMT5EncoderModel` holding the weights of Wan's UMT5 checkpoint
+) -> UMT5Encoder:
+    """The UMT5 encoder (`umt5.UMT5Encoder`) holding the weights of Wan's UMT5 checkpoint
     (`models_t5_umt5-xxl-enc-bf16.pth`), in eval mode on `device` in `dtype`."""
-    from transformers import UMT5EncoderModel
-
     path = Path(path)
     state = _read_wan_state_dict(path)
     config = wan_umt5_config(state, source=str(path))
@@ -156,27 +205,183 @@ def load_wan_umt5(
             f"{path}: does not match a {config.num_layers}-layer Wan UMT5 encoder; "
             f"missing keys {missing}, unexpected keys {unexpected}"
         )
-    # Meta device: no weights are allocated here; load_state_dict(assign=True) adopts the
-    # checkpoint's tensors instead of copying them into fresh ones.
-    with torch.device("meta"):
-        model = UMT5EncoderModel(config)
-    expected = model.state_dict()
-    converted = {}
-    wrong = []
-    for wan_key, hf_keys in key_map.items():
-        tensor = state[wan_key]
-        for hf_key in hf_keys:
-            want = expected[hf_key].shape
-            if tensor.shape != want or not tensor.is_floating_point():
-                wrong.append(f"{wan_key} {list(tensor.shape)} {tensor.dtype} (want {list(want)})")
-            converted[hf_key] = tensor
-    if wrong:
-        raise ValueError(f"{path}: wrong shapes or dtypes: {sorted(set(wrong))}")
-    model.load_state_dict(converted, strict=True, assign=True)
-    # assign=True gives shared and encoder.embed_tokens separate Parameters; tie them again so
-    # the (256384 x 4096) embedding is converted and held once.
-    model.set_input_embeddings(model.shared)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    converted = {hf: state[wan] for wan, hf_keys in key_map.items() for hf in hf_keys}
+    wan_key = {hf: wan for wan, hf_keys in key_map.items() for hf in hf_keys}
+    return _build_umt5(config, converted, str(path), device, dtype, wan_key.__getitem__)
+
+
+def _umt5_weight_files(folder: Path) -> list[Path]:
+    """The weight files of a transformers UMT5 directory: the first of UMT5_WEIGHT_FILES there,
+    or the shards its index lists."""
+    from .layout import CheckpointError
+
+    for name in UMT5_WEIGHT_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return [path]
+        try:
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:  # JSON errors included
+            raise CheckpointError(f"{path}: not an index with a weight_map ({err})") from None
+        return [folder / shard for shard in shards]
+    raise FileNotFoundError(f"{folder}: no UMT5 weights (none of {', '.join(UMT5_WEIGHT_FILES)})")
+
+
+def _read_umt5_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """A transformers UMT5 directory's encoder weights (a decoder's skipped), the tied embedding
+    under both of its keys whichever one the files hold (`shared.weight` first)."""
+    from .checkpoint import load_pickled
+    from .layout import CheckpointError
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _umt5_weight_files(folder):
+        if path.name.endswith(".safetensors"):
+            try:
+                # Only the encoder's tensors are read: a full encoder-decoder's decoder is not.
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in handle.keys():
+                        if not key.startswith(_NOT_ENCODER):
+                            state[key] = handle.get_tensor(key)
+            except FileNotFoundError:
+                raise CheckpointError(f"weights not found: {path}") from None
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+        else:
+            try:
+                loaded = _tensor_dict(load_pickled(path), path)
+            except FileNotFoundError:
+                raise CheckpointError(f"weights not found: {path}") from None
+            state |= {k: v for k, v in loaded.items() if not k.startswith(_NOT_ENCODER)}
+    shared = state.get(_SHARED, state.get(_EMBED_TOKENS))
+    if shared is not None:
+        state[_SHARED] = state[_EMBED_TOKENS] = shared
+    return state
+
+
+def load_umt5_folder(
+    folder: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> UMT5Encoder:
+    """The UMT5 encoder of a transformers directory (config.json, and model.safetensors, its
+    shards, or pytorch_model.bin read weights-only), what `UMT5EncoderModel.from_pretrained`
+    loads, every key checked, in eval mode on `device` in `dtype`."""
+    from .layout import CheckpointError
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    try:
+        values = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"UMT5 config not found: {config_path}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    try:
+        config = umt5_config(values)
+    except ValueError as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    return _build_umt5(config, _read_umt5_folder(folder), str(folder), device, dtype)
+
+
+class PromptTokenizer:
+    """What prompt encoding needs of a tokenizer directory: a text's ids with special tokens
+    (the post-processor appends EOS), the same cut and padded to a length with the attention
+    mask, and the decode of ids (special tokens skipped).
+
+    The directory's tokenizer.json runs in the `tokenizers` library, set up as transformers'
+    fast tokenizer sets it up: the special tokens that tokenizer_config.json and
+    special_tokens_map.json name (pad, EOS, unk, ...) registered as special, the pad token from
+    them ("<pad>", T5's, if unnamed), truncation and padding the library's own (what
+    transformers calls for `truncation=True, padding="max_length"`), on the sides the config
+    says (right by default). A directory without tokenizer.json (a sentencepiece model only)
+    goes through transformers' `AutoTokenizer` instead."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            self._transformers = AutoTokenizer.from_pretrained(str(folder))
+            return
+        from tokenizers import AddedToken, Tokenizer
+
+        self._transformers = None
+        settings: dict = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+            if (folder / name).is_file():
+                try:
+                    settings |= json.loads((folder / name).read_text(encoding="utf-8"))
+                except (ValueError, TypeError) as err:  # JSON and encoding errors, not a dict
+                    raise ValueError(f"{folder / name}: not a JSON object ({err})") from None
+        try:
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as err:  # the Rust side raises plain Exceptions
+            raise ValueError(
+                f"{folder / 'tokenizer.json'}: not a readable tokenizer ({err})"
+            ) from None
+        backend.no_truncation()
+        backend.no_padding()
+        special = [settings.get(f"{kind}_token") for kind in _SPECIAL_TOKENS]
+        for key in _SPECIAL_TOKEN_LISTS:
+            special += list(settings.get(key) or [])
+        contents = [t["content"] if isinstance(t, dict) else t for t in special if t]
+        known = {token.content for token in backend.get_added_tokens_decoder().values()}
+        backend.add_special_tokens(
+            [AddedToken(c, normalized=False, special=True) for c in contents if c not in known]
+        )
+        pad = settings.get("pad_token") or "<pad>"
+        self.pad_token = pad["content"] if isinstance(pad, dict) else pad
+        self.pad_id = backend.token_to_id(self.pad_token)
+        if self.pad_id is None:
+            raise ValueError(f"{folder}: pad token {self.pad_token!r} is not in the vocabulary")
+        self.padding_side = settings.get("padding_side", "right")
+        self.truncation_side = settings.get("truncation_side", "right")
+        self._backend = backend
+
+    def ids(self, text: str) -> list[int]:
+        """The text's token ids, special tokens added, not cut."""
+        if self._transformers is not None:
+            return self._transformers(text, add_special_tokens=True).input_ids
+        return self._backend.encode(text, add_special_tokens=True).ids
+
+    def padded(self, text: str, length: int) -> tuple[list[int], list[int]]:
+        """Ids of exactly `length` tokens (cut keeping the special tokens, or padded) and their
+        attention mask (1 = token, 0 = padding)."""
+        if self._transformers is not None:
+            tokens = self._transformers(
+                text,
+                padding="max_length",
+                truncation=True,
+                max_length=length,
+                add_special_tokens=True,
+                return_attention_mask=True,
+            )
+            return tokens.input_ids, tokens.attention_mask
+        backend = self._backend
+        backend.enable_truncation(length, direction=self.truncation_side)
+        backend.enable_padding(
+            direction=self.padding_side,
+            pad_id=self.pad_id,
+            pad_token=self.pad_token,
+            length=length,
+        )
+        try:
+            encoding = backend.encode(text, add_special_tokens=True)
+        finally:
+            backend.no_truncation()
+            backend.no_padding()
+        return encoding.ids, encoding.attention_mask
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens skipped."""
+        if self._transformers is not None:
+            return self._transformers.decode(ids, skip_special_tokens=True)
+        return self._backend.decode(ids, skip_special_tokens=True)
 
 
 class EncodedPrompt(NamedTuple):
@@ -212,8 +417,6 @@ def encode_prompts(
     `on_truncate` "warn" logs what was cut, "error" raises."""
     if on_truncate not in ("warn", "error"):
         raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
     encoder = Path(encoder)
     dtype = model_dtype(device, dtype)
     if encoder.is_dir():
@@ -228,21 +431,28 @@ def encode_prompts(
         raise FileNotFoundError(f"text encoder not found: {encoder}")
     if not Path(tokenizer_dir).is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {tokenizer_dir}")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = PromptTokenizer(tokenizer_dir)
     if encoder.is_dir():
-        model = UMT5EncoderModel.from_pretrained(str(encoder), dtype=dtype).to(device).eval()
+        model = load_umt5_folder(encoder, device=device, dtype=dtype)
     else:
         model = load_wan_umt5(encoder, device=device, dtype=dtype)
     return [_encode_one(text, tokenizer, model, text_len, device, on_truncate) for text in texts]
 
 
-def _encode_one(text, tokenizer, model, text_len, device, on_truncate) -> EncodedPrompt:
+def _encode_one(
+    text: str,
+    tokenizer: PromptTokenizer,
+    model: UMT5Encoder,
+    text_len: int,
+    device: torch.device | str,
+    on_truncate: str,
+) -> EncodedPrompt:
     cleaned = clean_prompt(text)
     if not cleaned:
         raise ValueError(f"prompt {text!r} is empty after Wan's cleaning")
-    full_ids = tokenizer(cleaned, add_special_tokens=True).input_ids
+    full_ids = tokenizer.ids(cleaned)
     if len(full_ids) > text_len:
-        lost = tokenizer.decode(full_ids[text_len - 1 : -1], skip_special_tokens=True)
+        lost = tokenizer.decode(full_ids[text_len - 1 : -1])
         message = (
             f"prompt of {len(full_ids)} tokens (EOS included) is longer than text_len={text_len}: "
             f"only its first {text_len - 1} tokens and EOS are encoded; cut: {lost!r}"
@@ -250,18 +460,10 @@ def _encode_one(text, tokenizer, model, text_len, device, on_truncate) -> Encode
         if on_truncate == "error":
             raise ValueError(f"{message} (text_encoder.truncate: error)")
         log.warning(message)
-    tokens = tokenizer(
-        [cleaned],
-        padding="max_length",
-        truncation=True,
-        max_length=text_len,
-        add_special_tokens=True,
-        return_attention_mask=True,
-        return_tensors="pt",
-    )
-    ids = tokens.input_ids.to(device)
-    mask = tokens.attention_mask.to(device)
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0].float()
+    ids, mask = tokenizer.padded(cleaned, text_len)
+    ids = torch.tensor([ids], device=device)
+    mask = torch.tensor([mask], device=device)
+    hidden = model(ids, mask)[0].float()
     length = int(mask.sum())
     hidden[length:] = 0
     return EncodedPrompt(hidden.cpu(), length, len(full_ids))
