@@ -299,7 +299,13 @@ class PromptTokenizer:
     them ("<pad>", T5's, if unnamed), truncation and padding the library's own (what
     transformers calls for `truncation=True, padding="max_length"`), on the sides the config
     says (right by default). A directory without tokenizer.json (a sentencepiece model only)
-    goes through transformers' `AutoTokenizer` instead."""
+    goes through transformers' `AutoTokenizer` instead.
+
+    Why tokenizer.json and not transformers' T5 class: the released code ran transformers 4,
+    whose fast tokenizer runs tokenizer.json as written. transformers 5 rebuilds T5's
+    pre-tokenizer (whitespace split, then Metaspace) around the file's vocabulary; on text that
+    Wan's cleaning has left (single spaces, stripped) both split alike, which the tests check on
+    the demo tokenizer against transformers 5's `AutoTokenizer`."""
 
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
