@@ -76,6 +76,7 @@ class GridComposer:
         cell_height = self.band + self.tile_height
         self.width = _even(self.columns * (self.tile_width + GAP) + GAP)
         self.height = _even(self.header + self.rows * (cell_height + GAP) + GAP)
+        self._blank: dict[tuple[bool, ...], np.ndarray] = {}
 
     def cell_origin(self, index: int) -> tuple[int, int]:
         """(top, left) of tile `index`'s label band in the composed frame."""
@@ -95,27 +96,41 @@ class GridComposer:
         header saying `counter` (`frame_counter`: 'latent 12 / 42 · frame 45 / 165 · 2.75 s')."""
         if len(frames) != len(self.tiles):
             raise ValueError(f"{len(frames)} frames for {len(self.tiles)} tiles")
-        canvas = Image.new("RGB", (self.width, self.height), BACKGROUND)
+        evicting = tuple(self.evicting(index, latent_frame) for index in range(len(self.tiles)))
+        canvas = Image.fromarray(self._bands(evicting))  # a copy: the cached one stays blank
         draw = ImageDraw.Draw(canvas)
-        text_y = self.header // 2
-        draw.text((GAP, text_y), self.title, fill=TEXT, font=self.font, anchor="lm")
-        draw.text((self.width - GAP, text_y), counter, fill=TEXT, font=self.font, anchor="rm")
+        draw.text(
+            (self.width - GAP, self.header // 2), counter, fill=TEXT, font=self.font, anchor="rm"
+        )
         resample = Image.Resampling.NEAREST if self.enlarge else Image.Resampling.BOX
-        for index, (tile, frame) in enumerate(zip(self.tiles, frames, strict=True)):
+        for index, frame in enumerate(frames):
             top, left = self.cell_origin(index)
-            evicting = self.evicting(index, latent_frame)
-            draw.rectangle(
-                (left, top, left + self.tile_width - 1, top + self.band - 1),
-                fill=EVICTING_BAND if evicting else BAND,
-            )
-            label = f"{tile.label} · evicting" if evicting else tile.label
-            draw.text(
-                (left + 4, top + self.band // 2), label, fill=TEXT, font=self.font, anchor="lm"
-            )
             image = Image.fromarray(np.ascontiguousarray(frame))
             image = image.resize((self.tile_width, self.tile_height), resample)
             canvas.paste(image, (left, top + self.band))
         return np.asarray(canvas)
+
+    def _bands(self, evicting: tuple[bool, ...]) -> np.ndarray:
+        """The frame without tiles and counter: background, title and every label band in its
+        state; drawn once per state (a video has at most one more state than tiles), since
+        rendering text is most of a composition's time."""
+        if evicting not in self._blank:
+            canvas = Image.new("RGB", (self.width, self.height), BACKGROUND)
+            draw = ImageDraw.Draw(canvas)
+            text_y = self.header // 2
+            draw.text((GAP, text_y), self.title, fill=TEXT, font=self.font, anchor="lm")
+            for index, (tile, evicts) in enumerate(zip(self.tiles, evicting, strict=True)):
+                top, left = self.cell_origin(index)
+                draw.rectangle(
+                    (left, top, left + self.tile_width - 1, top + self.band - 1),
+                    fill=EVICTING_BAND if evicts else BAND,
+                )
+                label = f"{tile.label} · evicting" if evicts else tile.label
+                draw.text(
+                    (left + 4, top + self.band // 2), label, fill=TEXT, font=self.font, anchor="lm"
+                )
+            self._blank[evicting] = np.asarray(canvas)
+        return self._blank[evicting]
 
 
 def frame_counter(latent_frame: int, latent_frames: int, pixel_frame: int, fps: float) -> str:

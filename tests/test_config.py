@@ -448,9 +448,9 @@ def test_token_runs_and_stores():
 
 
 def test_figure_runs():
-    """Each run's own figures for the listed runs (the demo: eagle under both models), every
-    run without the key."""
-    assert entries.figure_runs(checked()) == [("demo_a", "eagle"), ("demo_b", "eagle")]
+    """Each run's own figures for the listed runs (the demo: eagle under demo_a), every run
+    without the key."""
+    assert entries.figure_runs(checked()) == [("demo_a", "eagle")]
     everything = checked(lambda c: c["figures"].pop("runs"))
     assert len(entries.figure_runs(everything)) == 4
 

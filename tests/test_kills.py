@@ -56,7 +56,7 @@ def kill_while_making(workdir: Path, target: str, point: str) -> None:
 # inputs whole: the later jobs of the DAG are killed first.
 JOB_FAULTS = [
     ("results/stats/summary.csv", "before-rename"),
-    ("results/figures/demo_b/eagle/figure4.svg", "mid-write"),  # figures.runs: eagle's
+    ("results/figures/demo_a/eagle/figure4.svg", "mid-write"),  # figures.runs: demo_a/eagle
     ("results/stats/demo_b/harbor/layer0.csv", "mid-write"),
     ("results/frames/demo_a/eagle/layer0.zarr", "mid-write"),  # rule reduce_attention
     ("results/frames/demo_a/harbor/layer0.zarr", "before-rename"),

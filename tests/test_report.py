@@ -145,7 +145,7 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     # figures per run; 3 across runs, the survey's sink rates of every run and 4 of the closed loop;
     # 2 video figures per decoded closed-loop run.
     per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 4
-    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 + 2 * len(VIDEO_RUNS) == 42
+    assert len(expected) == len(RUNS) * per_run + 3 + 1 + 4 + 2 * len(VIDEO_RUNS) == 26
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():
