@@ -111,7 +111,11 @@ CLOSED_LOOP_RUNS = closed_loop_runs(config)
 CLOSED_LOOP_ROLLOUTS = closed_loop_rollouts(config)
 CLOSED_LOOP_SURVEY = config["closed_loop"]["survey"] if CLOSED_LOOP_POLICIES else []
 CLOSED_LOOP_FIGURES = (
-    closed_loop_figures("results/figures/compare", config["figures"]["format"])
+    closed_loop_figures(
+        "results/figures/compare",
+        config["figures"]["format"],
+        runs=len(CLOSED_LOOP_RUNS),
+    )
     if CLOSED_LOOP_POLICIES
     else []
 )

@@ -93,16 +93,16 @@ def policy_label(
     bias: float = 1.0,
 ) -> str:
     """What figures, logs and messages call a closed-loop policy: 'window B=9', 'deep_sink B=9
-    S=3', 'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 L=21' (L the capacity of Participative
-    Compression), 'head_jitter B=12 S=3 j=0.8' (the jitter's strength), 'logit_bias B=12 S=3
-    b=0.3' (the factor on past frames' attention)."""
+    S=3', 'top_c B=9 R=3', 'deep_forcing B=9 S=3 R=1 capacity=21' (Participative Compression's
+    cache, `capacity` as in the config and the tables), 'head_jitter B=12 S=3 j=0.8' (the
+    jitter's strength), 'logit_bias B=12 S=3 b=0.3' (the factor on past frames' attention)."""
     label = f"{policy} B={int(budget)}"
     if policy in SINK_POLICIES:
         label += f" S={int(sink_frames)}"
     if policy in RECENT_POLICIES:
         label += f" R={int(recent_frames)}"
     if policy in PARTICIPATIVE_POLICIES:
-        label += f" L={int(capacity)}"
+        label += f" capacity={int(capacity)}"
     if policy == "head_jitter":
         label += f" j={float(jitter):g}"
     if policy == "logit_bias":

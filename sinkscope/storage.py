@@ -9,7 +9,9 @@ world (jobs, analysis, the parse-time digest cache); no torch.
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
+import io
 import json
 import logging
 import os
@@ -20,6 +22,8 @@ import warnings
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from sinkscope.cache_choices import KEY_KINDS
 from sinkscope.schedules import KEY_VERSIONS, NOISY_VERSION
@@ -277,6 +281,95 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as temporary:
         temporary.write_text(text)
     return Path(path)
+
+
+# Significant digits of the numbers in every CSV sinkscope writes (`csv_text`): the stores hold
+# float32 (about 7 digits), and 6 keep a value to 1e-6 of itself, far below any difference a
+# table's reader or a threshold looks at, at half the width of float64's 17.
+CSV_SIGNIFICANT_DIGITS = 6
+_EXACT_POWERS = 22  # 10**k is exact in float64 up to k = 22
+
+
+def significant(values, digits: int = CSV_SIGNIFICANT_DIGITS) -> np.ndarray:
+    """`values` as float64 rounded to `digits` significant decimal digits, so that the shortest
+    repr of each (what pandas' CSV writer prints) has at most `digits` digits: 0.5636337574 ->
+    0.563634, 1.2345678e-05 -> 1.23457e-05. Whole numbers below 2**53 stay exact (a count in a
+    float column, 1234567.0), NaN and +-inf stay as they are."""
+    x = np.array(values, dtype=np.float64)
+    if digits < 1:
+        raise ValueError(f"digits must be at least 1, got {digits}")
+    whole = np.isfinite(x) & (np.abs(x) < 2.0**53)
+    whole[whole] = x[whole] == np.round(x[whole])
+    todo = np.isfinite(x) & ~whole
+    if not todo.any():
+        return x
+    flat = x[todo]
+    decimals = digits - 1 - np.floor(np.log10(np.abs(flat))).astype(np.int64)
+    out = np.empty_like(flat)
+    up = (decimals >= 0) & (decimals <= _EXACT_POWERS)
+    down = (decimals < 0) & (decimals >= -_EXACT_POWERS)
+    # m / 10**d and m * 10**d are correctly rounded: the double nearest to the short decimal.
+    scale = 10.0 ** decimals[up]
+    out[up] = np.round(flat[up] * scale) / scale
+    scale = 10.0 ** -decimals[down]
+    out[down] = np.round(flat[down] / scale) * scale
+    rest = ~(up | down)  # below 1e-17 or above 1e28: 10**d is inexact, so the slow way
+    out[rest] = [float(f"{value:.{digits}g}") for value in flat[rest]]
+    x[todo] = out
+    return x
+
+
+def csv_text(table, digits: int = CSV_SIGNIFICANT_DIGITS) -> str:
+    """A pandas DataFrame as CSV text without its index, the one way every sinkscope CSV is
+    written: every float (float columns, and the floats of object columns) rounded to `digits`
+    significant digits (`significant`); integers, text and empty cells as pandas writes them
+    (a whole float stays `3.0`, so a float column reads back as floats; inf as `inf`, NaN and NA
+    empty)."""
+    out = table.copy(deep=False)
+    for position in range(table.shape[1]):
+        values = table.iloc[:, position]
+        kind = getattr(values.dtype, "kind", "O")
+        if kind == "f" and isinstance(values.dtype, np.dtype):
+            out.isetitem(position, significant(values.to_numpy(), digits))
+        elif kind == "f":  # pandas' nullable Float64: NA written empty, as NaN
+            out.isetitem(
+                position, significant(values.to_numpy(np.float64, na_value=np.nan), digits)
+            )
+        elif values.dtype == object:
+            items = values.to_numpy().copy()
+            floats = np.array([type(item) in (float, np.float64, np.float32) for item in items])
+            if floats.any():
+                rounded = significant(items[floats].astype(np.float64), digits)
+                items[floats] = list(rounded)
+                out.isetitem(position, items)
+    return out.to_csv(index=False)
+
+
+def csv_rows_text(
+    columns: Sequence[str], rows: Sequence[Sequence], digits: int = CSV_SIGNIFICANT_DIGITS
+) -> str:
+    """Rows of plain values under the header `columns` as CSV text, written as `csv_text`
+    writes a table (for the GPU jobs, which load no pandas): floats rounded by `significant`
+    (NaN empty, inf `inf`), None empty, the rest as str()."""
+    cells = [list(row) for row in rows]
+    for position in range(len(columns)):
+        floats = [
+            i for i, row in enumerate(cells) if isinstance(row[position], float | np.floating)
+        ]
+        rounded = significant([cells[i][position] for i in floats], digits)
+        for i, value in zip(floats, rounded.tolist(), strict=True):
+            cells[i][position] = "" if value != value else repr(value)  # NaN: empty
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(columns)
+    for row in cells:
+        writer.writerow("" if value is None else value for value in row)
+    return out.getvalue()
+
+
+def write_csv(path: str | os.PathLike, table, digits: int = CSV_SIGNIFICANT_DIGITS) -> Path:
+    """`csv_text` of `table`, written atomically to `path`."""
+    return write_text_atomically(path, csv_text(table, digits))
 
 
 @contextlib.contextmanager

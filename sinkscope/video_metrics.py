@@ -455,10 +455,10 @@ def write_video_tables(
     """The runs' per-frame tables `paths` stacked into `metrics` (results/videos/metrics.csv)
     and their quality drift, one row per rollout, into `drift` (results/videos/drift.csv),
     each atomically; returns the stacked table."""
-    from sinkscope.storage import write_text_atomically
+    from sinkscope.storage import write_csv
 
     table = read_video_metrics(paths)
-    write_text_atomically(metrics, table.to_csv(index=False))
+    write_csv(metrics, table)
     drifts = quality_drift(table, fps=fps)
-    write_text_atomically(drift, drifts[VIDEO_DRIFT_TABLE_COLUMNS].to_csv(index=False))
+    write_csv(drift, drifts[VIDEO_DRIFT_TABLE_COLUMNS])
     return table

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 import runpy
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from sinkscope.analysis.plots import render_figures
 from sinkscope.analysis.plots.closed_loop import (
     plot_closed_loop_collapse,
     plot_closed_loop_deviation,
+    plot_closed_loop_deviation_runs,
     plot_closed_loop_recall,
 )
 from sinkscope.analysis.plots.render import builder_of
@@ -268,8 +270,8 @@ def test_summary_matches_plain_loops(tmp_path):
                 assert got == value, (key, column)
             elif math.isnan(value):
                 assert math.isnan(got), (key, column)
-            else:
-                assert got == pytest.approx(value, rel=1e-12, abs=0), (key, column)
+            else:  # the CSV's 6 significant digits: 5e-6 of the value at most
+                assert got == pytest.approx(value, rel=5e-6, abs=0), (key, column)
     assert seen == {(c, p, *policy, 0.0, 1.0) for c, p in RUNS for policy in LOOP_POLICIES}
     # the cases the fixture is built for, spelled out
     by_key = {
@@ -389,19 +391,26 @@ def test_offline_policy_mapping():
 
 
 def test_closed_loop_file_names_round_trip():
-    files = figures.closed_loop_figures("results/figures/closed_loop", "svg")
+    # One run (the default, the demo's): no spread across runs to draw.
+    one = figures.closed_loop_figures("results/figures/closed_loop", "svg")
+    files = figures.closed_loop_figures("results/figures/closed_loop", "svg", runs=2)
     assert [f.path for f in files] == [
         "results/figures/closed_loop/closed_loop_deviation.svg",
         "results/figures/closed_loop/closed_loop_recall_deviation.svg",
         "results/figures/closed_loop/closed_loop_collapse.svg",
         "results/figures/closed_loop/closed_loop_switches.svg",
+        "results/figures/closed_loop/closed_loop_deviation_runs.svg",
     ]
+    assert one == files[:-1]
     assert [f.kind.caption for f in files] == [
         "closed_loop_deviation.rst",
         "closed_loop_recall.rst",
         "closed_loop_collapse.rst",
         "closed_loop_switches.rst",
+        "closed_loop_deviation_runs.rst",
     ]
+    with pytest.raises(ValueError, match="closed-loop kinds only"):
+        figures.FigureKind("x", "run.plot_x", "x.rst", "run", runs=2)
     for f in files:
         assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
         assert f.kind.scope == "closed_loop" and f.layers == ()
@@ -437,6 +446,18 @@ def data_lines(ax) -> dict[str, object]:
     }
 
 
+# Characters both Arial (the Windows glyph list WGL4) and DejaVu Sans draw: printable Latin-1
+# and the few symbols the figures use. Not U+2016 (the double bar): Arial has none.
+ARIAL_AND_DEJAVU = {chr(c) for c in (*range(0x20, 0x7F), *range(0xA0, 0x100))} | set("−–—…→≤≥")
+
+
+def reference_names(ax) -> dict[float, str]:
+    """frame -> the name above a deviation panel at that frame (its top axis' tick labels)."""
+    (top,) = ax.child_axes
+    labels = [label.get_text().strip() for label in top.get_xticklabels()]
+    return dict(zip(top.get_xticks().tolist(), labels, strict=True))
+
+
 def test_deviation_figure_draws_the_tables(tmp_path):
     deviation_paths, _ = write_inputs(tmp_path)
     table = closed_loop.read_deviation(deviation_paths)
@@ -448,8 +469,8 @@ def test_deviation_figure_draws_the_tables(tmp_path):
         "window": "window B={}",
         "sink_window": "sink_window B={} S={}",
         "deep_sink": "deep_sink B={} S={}",
-        "participative": "participative B={} S={} R={} L={}",
-        "deep_forcing": "deep_forcing B={} S={} R={} L={}",
+        "participative": "participative B={} S={} R={} capacity={}",
+        "deep_forcing": "deep_forcing B={} S={} R={} capacity={}",
         "top_c": "top_c B={} R={}",
     }
     for checkpoint, prompt in RUNS:
@@ -477,14 +498,17 @@ def test_deviation_figure_draws_the_tables(tmp_path):
             if line.get_label().startswith("_")
         }
         assert verticals == {
-            "_first eviction, cache 4": 4,
-            "_first eviction, cache 5": 4,
-            "_first eviction, cache 6": 6,
+            "_first eviction, capacity 4": 4,
+            "_first eviction, capacity 5": 4,
+            "_first eviction, capacity 6": 6,
             "_training length": TRAIN_FRAMES,
         }
+        # The lines are named above the panel; the training length (6) and the first eviction
+        # of the capacity 6 share a frame, and its name says both.
+        assert reference_names(ax) == {4: "capacity 4, 5", 6: "capacity 6 · training length"}
     texts = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "training length (6 frames)" in texts
-    assert "first eviction (frames 4, 4, 6, caches of 4, 5, 6)" in texts
+    assert "first eviction (frames 4, 4, 6, capacity 4, 5, 6)" in texts
     assert "frames equal to the reference (0) are not drawn" in fig.get_suptitle()
     assert "latent deviation from the full-cache rollout" in fig.get_suptitle()
 
@@ -499,8 +523,9 @@ def test_deviation_figure_of_one_run_and_policy_is_linear_when_narrow():
     np.testing.assert_array_equal(line.get_ydata(), table["rel_l2"].to_numpy(float))
     assert [t.get_text() for t in fig.legends[0].get_texts()] == [
         "window B=4",
-        "first eviction (frame 4, cache of 4)",
+        "first eviction (frame 4, capacity 4)",
     ]
+    assert reference_names(ax) == {4: "capacity 4"}  # no training length given
 
 
 def test_recall_figure_draws_the_summary(tmp_path):
@@ -700,6 +725,87 @@ def test_collapse_candidates_are_marked_where_the_rule_puts_them():
 # files
 
 
+# (checkpoint, prompt) -> rel_l2_mean per policy of RUNS_POLICIES: two checkpoints, three
+# prompts for one and one for the other; `window B=12` never evicts (NaN), `top_c` lacks a run.
+RUNS_POLICIES = [("window", 4, 0, 0, 4), ("sink_window", 4, 1, 0, 4), ("top_c", 4, 0, 1, 4)]
+RUNS_POLICIES.append(("window", 12, 0, 0, 12))
+RUNS_VALUES = {
+    ("a", "cat"): [0.02, 0.010, 0.03, math.nan],
+    ("a", "dog"): [0.05, 0.012, math.nan, math.nan],
+    ("a", "sea"): [0.04, 0.020, 0.05, math.nan],
+    ("b", "cat"): [0.10, 0.030, 0.07, math.nan],
+}
+
+
+def runs_summary() -> pd.DataFrame:
+    """A closed-loop summary of the runs of RUNS_VALUES: rel_l2_mean as given, beyond the
+    training length twice that."""
+    rows = []
+    for (checkpoint, prompt), values in RUNS_VALUES.items():
+        for key, value in zip(RUNS_POLICIES, values, strict=True):
+            row = dict.fromkeys(closed_loop.SUMMARY_COLUMNS, math.nan)
+            keys = (checkpoint, prompt, *key, 0.0, 1.0)
+            row |= dict(zip(closed_loop.RUN_KEYS, keys, strict=True))
+            row |= {"rel_l2_mean": value, "rel_l2_beyond_training": 2 * value}
+            rows.append(row)
+    return pd.DataFrame(rows, columns=closed_loop.SUMMARY_COLUMNS)
+
+
+def test_deviation_across_runs_is_the_mean_and_spread_over_prompts():
+    """Per policy and checkpoint: a diamond at the mean over its prompts, a bar of one sample
+    standard deviation each side (none from one prompt), a hollow dot per run; a policy that
+    never evicts is named, not drawn."""
+    table = runs_summary()
+    fig = plot_closed_loop_deviation_runs(table, train_frames=TRAIN_FRAMES)
+    left, right = fig.axes
+    assert "from the first eviction on" in left.get_xlabel()
+    assert "beyond the training length (6 frames)" in right.get_xlabel()
+    labels = [t.get_text() for t in left.get_yticklabels()]
+    assert labels == ["window B=4", "window B=12", "sink_window B=4 S=1", "top_c B=4 R=1"]
+    for ax, factor in ((left, 1.0), (right, 2.0)):
+        bars = {}  # (row, checkpoint) -> (mean, low, high)
+        for container in ax.containers:
+            mean_line, _, bar = container
+            x, y = mean_line.get_xdata()[0], mean_line.get_ydata()[0]
+            checkpoint = container.get_label().removeprefix("_")
+            (low, _), (high, _) = bar[0].get_segments()[0] if bar else ((x, 0), (x, 0))
+            bars[round(y), checkpoint] = (x, low, high)
+        for row, policy in enumerate([0, 3, 1, 2]):
+            for checkpoint in ("a", "b"):
+                values = [
+                    factor * v[policy]
+                    for (c, _), v in RUNS_VALUES.items()
+                    if c == checkpoint and not math.isnan(v[policy])
+                ]
+                if not values:
+                    assert (row, checkpoint) not in bars
+                    continue
+                mean, low, high = bars[row, checkpoint]
+                assert mean == pytest.approx(statistics.fmean(values))
+                spread = statistics.stdev(values) if len(values) > 1 else 0.0
+                assert (low, high) == pytest.approx((mean - spread, mean + spread))
+        dots = sorted(
+            round(float(x), 12)
+            for line in ax.lines
+            if line.get_label() == "_run"
+            for x in line.get_xdata()
+        )
+        want = [factor * v for values in RUNS_VALUES.values() for v in values if v == v]
+        assert dots == sorted(round(v, 12) for v in want)
+    assert [t.get_text() for t in left.texts] == ["never evicts"]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [
+        "a: mean ± s.d. over 3 prompts",
+        "b: 1 prompt: no spread",
+        "one run (checkpoint, prompt)",
+    ]
+    assert "4 runs" in fig.get_suptitle()
+    # Without any deviation (no reference): a note, no panels.
+    empty = plot_closed_loop_deviation_runs(table.assign(rel_l2_mean=np.nan).assign(
+        rel_l2_beyond_training=np.nan))  # fmt: skip
+    assert "no deviation to draw" in empty.axes[0].texts[0].get_text()
+
+
 @pytest.mark.parametrize("fmt", ["svg", "png"])
 def test_render_closed_loop_figures(tmp_path, fmt):
     deviation_paths, recall_paths = write_inputs(tmp_path)
@@ -711,7 +817,8 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     # The SVG case draws them all, then the collapse figure (drawn from the most tables) again:
     # same data, same bytes. One figure says PNG works.
     for run in ("a", "b") if fmt == "svg" else ("a",):
-        outputs = [f.path for f in figures.closed_loop_figures(str(tmp_path / run), fmt)]
+        files = figures.closed_loop_figures(str(tmp_path / run), fmt, runs=len(RUNS))
+        outputs = [f.path for f in files]
         if fmt == "png":
             outputs = outputs[:1]
         elif run == "b":
@@ -731,12 +838,19 @@ def test_render_closed_loop_figures(tmp_path, fmt):
     if fmt == "svg":
         twice = [(tmp_path / run / "closed_loop_collapse.svg").read_bytes() for run in "ab"]
         assert twice[0] == twice[1]
+        # The SVGs keep their text as text, drawn in the viewer's Arial where it has one: every
+        # character must be one Arial (WGL4) and DejaVu Sans both have (no double bar U+2016).
+        for path in (tmp_path / "a").glob("*.svg"):
+            unsafe = {c for text in svg_texts(path) for c in text} - ARIAL_AND_DEJAVU
+            assert not unsafe, (path.name, unsafe)
         texts = svg_texts(tmp_path / "a" / "closed_loop_deviation.svg")
         assert any("latent deviation from the full-cache rollout" in t for t in texts)
         assert "deep_sink B=4 S=1" in texts
         texts = svg_texts(tmp_path / "a" / "closed_loop_collapse.svg")
         assert any("reference-free collapse diagnostics" in t for t in texts)
         assert "training length (6 frames)" in texts
+        texts = svg_texts(tmp_path / "a" / "closed_loop_deviation_runs.svg")
+        assert "demo: mean ± s.d. over 2 prompts" in texts
     else:
         assert paths[0].read_bytes().startswith(b"\x89PNG")
 

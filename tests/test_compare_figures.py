@@ -6,6 +6,7 @@ the data."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from matplotlib.collections import PolyCollection
 
 from sinkscope.analysis.plots import render_figures
@@ -80,7 +81,7 @@ def test_render_compare_figures(tmp_path):
 def test_prompts_with_one_prompt_draw_one_line_without_band(tmp_path):
     one = compare_datasets(prompts=("cat",))
     fig = plot_prompts(one, [(0, 0)])
-    (ax,) = fig.axes
+    (ax,) = fig.axes  # no spread panel: nothing spreads
     assert not [c for c in ax.collections if isinstance(c, PolyCollection)]  # no band
     assert len(ax.lines) == 2  # one line per checkpoint, no thin prompt lines under it
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
@@ -94,10 +95,63 @@ def test_prompts_with_one_prompt_draw_one_line_without_band(tmp_path):
         assert "1 prompt" in texts
 
     several = plot_prompts(compare_datasets(), [(0, 0)])
-    (ax,) = several.axes
-    assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 2  # the bands
+    _, spread_ax = several.axes
+    assert len([c for c in spread_ax.collections if isinstance(c, PolyCollection)]) == 2
     labels = [t.get_text() for t in several.legends[0].get_texts()]
-    assert labels == [f"{c}: mean, min–max of 2 prompts" for c in ("self_forcing", "causvid")]
+    assert labels == [f"{c}: mean of 2 prompts" for c in ("self_forcing", "causvid")]
+
+
+def nearly_alike_prompts() -> list:
+    """Two checkpoints, three prompts each, whose profiles differ by about 1e-3 of their range:
+    the demo's prompts barely move its heads."""
+    base = [make_frame_dataset(c, "cat", 0, seed=s, **SMALL) for s, c in enumerate(("a", "b"))]
+    datasets = []
+    for ds in base:
+        for p, prompt in enumerate(("cat", "city", "sea")):
+            nudge = 1e-3 * np.random.default_rng(10 + p).standard_normal(ds["logit_mean"].shape)
+            datasets.append(
+                ds.assign(logit_mean=ds["logit_mean"] + nudge.astype(np.float32)).assign_coords(
+                    prompt=np.array(prompt, dtype=object)
+                )
+            )
+    return datasets
+
+
+def test_prompts_spread_is_visible_at_its_own_scale():
+    """The prompts' spread sits on its own axis: each prompt minus the checkpoint's mean over
+    prompts (thin lines) and their min-max band, against numpy, on an axis about as tall as the
+    spread. The old figure drew the band on the profile's axis, some 1000 times taller than
+    it: invisible."""
+    datasets = nearly_alike_prompts()
+    fig = plot_prompts(datasets, [(0, 1)])
+    profile_ax, spread_ax = fig.axes
+    differences = {}
+    for checkpoint in ("a", "b"):
+        profiles = np.stack(
+            [
+                numpy_last_block(ds, "logit_mean", 0)[1]
+                for ds in datasets
+                if str(ds["checkpoint"].values) == checkpoint
+            ]
+        )
+        differences[checkpoint] = profiles - profiles.mean(axis=0)
+    thin = [line for line in spread_ax.lines if line.get_label() == "_prompt"]
+    assert len(thin) == 6
+    for line, expected in zip(thin, [*differences["a"], *differences["b"]], strict=True):
+        np.testing.assert_allclose(line.get_ydata(), expected, atol=1e-6)
+    bands = [c for c in spread_ax.collections if isinstance(c, PolyCollection)]
+    for band, checkpoint in zip(bands, ("a", "b"), strict=True):
+        vertices = band.get_paths()[0].vertices[:, 1]
+        low, high = differences[checkpoint].min(axis=0), differences[checkpoint].max(axis=0)
+        assert vertices.min() == pytest.approx(low.min(), abs=1e-6)
+        assert vertices.max() == pytest.approx(high.max(), abs=1e-6)
+    largest = max(np.abs(d).max() for d in differences.values())
+    bottom, top = spread_ax.get_ylim()
+    assert top - bottom < 4 * largest  # the spread fills its axis
+    bottom, top = profile_ax.get_ylim()
+    assert top - bottom > 100 * largest  # where the old band sat
+    assert "Prompt − mean (logit)" == spread_ax.get_ylabel()
+    assert not overlapping_legends(fig)
 
 
 def test_checkpoints_with_one_checkpoint_name_it():

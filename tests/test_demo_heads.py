@@ -61,3 +61,35 @@ def test_statistics_find_exactly_the_planted_heads(demo_run, checkpoint):
         logits = last_block[last_block["measure"] == "logit_mean"]
         sink = logits[(logits["layer"] == SINK[0]) & (logits["head"] == SINK[1])]
         assert len(sink) and (sink["sink_score"] > 2.0).all()  # frame 0 well above the middle
+
+
+def test_the_sink_definition_finds_the_planted_sink_everywhere_it_reports(demo_run):
+    """One sink definition in every table: the sink rate counts L0H0 alone (one of layer 0's 4
+    heads, no head of another layer), with a wide margin on either side of the threshold, and the
+    closed loop's sink-head share of layer 0 is L0H0's quarter at most, never the whole layer
+    (the old, unnormalised rule counted every head of blocks 1 and 2 as a sink: 3 sink frames of
+    6 hold half the attention of a head that spreads it evenly)."""
+    results = demo_run / "results"
+    rates = pd.read_csv(results / "stats/sink_rate.csv")
+    assert (rates["query"] == "last_block").all()
+    sinks = rates.groupby("layer")["sink_heads"].agg(["min", "max"])
+    assert sinks.loc[SINK[0]].tolist() == [1, 1]
+    assert (sinks.drop(index=SINK[0])["max"] == 0).all()
+    threshold = float(rates["threshold"].iloc[0])
+    for checkpoint in ("demo_a", "demo_b"):
+        for prompt in ("eagle", "harbor"):
+            table = pd.concat(
+                stats.per_head(
+                    stats.read_stats(results / f"stats/{checkpoint}/{prompt}/layer{L}.csv")
+                )
+                for L in range(DEMO_MODEL["num_layers"])
+            )
+            mass = table[table["measure"] == "prob_mass"]
+            planted = (mass["layer"] == SINK[0]) & (mass["head"] == SINK[1])
+            assert mass.loc[planted, "uniform_multiple"].min() > 3 * threshold
+            assert mass.loc[~planted, "uniform_multiple"].max() < threshold / 2
+    blocks = pd.read_csv(results / "closed_loop/blocks.csv")
+    shares = blocks[blocks["layer"] == SINK[0]]["sink_share"].dropna()
+    assert len(shares) and shares.max() == pytest.approx(1 / 4)
+    full = blocks[(blocks["policy"] == "full") & (blocks["layer"] == SINK[0])]
+    assert (full.groupby("block")["sink_share"].max().dropna() == 0.25).any()

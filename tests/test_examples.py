@@ -277,7 +277,7 @@ def test_examples_of_the_other_samplers_run_their_survey(example_root, example):
 
 
 def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
-    """examples/demo/rolling_forcing.yaml (README.md, "The model"): the demo DAG under the
+    """examples/demo/rolling_forcing.yaml (docs/GUIDE.md, "The model"): the demo DAG under the
     rolling sampler, its closed loop the policies that run there, against Rolling Forcing's own
     cache."""
     root = copy_workflow(tmp_path / "w")
@@ -292,7 +292,7 @@ def test_the_demo_rolling_example_plans_on_the_embedded_default(tmp_path):
 
 
 def test_the_demo_longlive_example_plans_on_the_embedded_default(tmp_path):
-    """examples/demo/longlive.yaml (README.md, "Prompts that change mid-video"): the demo DAG
+    """examples/demo/longlive.yaml (docs/GUIDE.md, "Prompts that change mid-video"): the demo DAG
     with a two-segment prompt under LongLive's recache; its closed loop the caches the recache
     runs on, against the full cache, and the switch table."""
     root = copy_workflow(tmp_path / "w")

@@ -26,6 +26,8 @@ from sinkscope.analysis.plots.common import (
     in_style,
     last_block_profile,
     save_figure,
+    shared_decimals,
+    signed_number,
     step_title,
     timestep_label,
 )
@@ -109,6 +111,26 @@ def test_labels():
 
 
 @pytest.mark.parametrize(
+    ("values", "texts"),
+    [
+        (
+            [-4.08, 0.000469],
+            ["\u22124.08", "0.00"],
+        ),  # the heads grid's "sink -4.08", "sink 0.000469"
+        ([0.65, 0.0004, -0.02], ["+0.650", "0.000", "\u22120.020"]),
+        ([123.4, 5.0], ["+123", "+5"]),
+        ([0.000469, np.nan], ["+0.000469", "nan"]),
+        ([0.0, 0.0], ["0.00", "0.00"]),
+    ],
+)
+def test_numbers_side_by_side_share_one_precision(values, texts):
+    """Printed together, numbers take the decimals that give the largest three significant
+    figures, a sign, and a minus sign as the tick labels write it."""
+    decimals = shared_decimals(values)
+    assert [signed_number(value, decimals) for value in values] == texts
+
+
+@pytest.mark.parametrize(
     ("measure", "variable"), [("logits", "logit_mean"), ("probabilities", "prob_mass")]
 )
 @pytest.mark.parametrize("step", [0, 2, 4])
@@ -149,6 +171,24 @@ def test_log_colour_bars_label_decimals_in_the_figure_font(tmp_path):
     path = save_figure(fig, tmp_path / "log.svg")
     assert {"0.01", "0.1"} <= set(svg_texts(path))
     assert "<tspan" not in path.read_text()
+
+
+def test_log_colour_bar_labels_carry_no_floating_point_noise(tmp_path):
+    """Within two decades matplotlib labels minor ticks too, each a decade times 2..9 in floating
+    point: 3 x 0.1 is 0.30000000000000004, which the labels wrote out in full."""
+    fig = Figure()
+    ax = fig.add_subplot()
+    cmap, norm, shown = color_scale(np.array([[0.02, 0.7], [0.3, 0.05]]), "probabilities")
+    assert isinstance(norm, mcolors.LogNorm)
+    add_colorbar(fig, ax.pcolormesh(shown, cmap=cmap, norm=norm), ax, "mass")
+    save_figure(fig, tmp_path / "log.svg")
+    colorbar = fig.axes[-1]
+    labels = [label.get_text() for label in colorbar.yaxis.get_ticklabels(which="both")]
+    labels = [label for label in labels if label]
+    assert {"0.03", "0.3", "0.6"} <= set(labels)  # minor ticks labelled, as decimals
+    assert set(labels) <= set(svg_texts(tmp_path / "log.svg"))
+    for label in labels:
+        assert label == f"{float(label):g}", label  # as short as its value
 
 
 def _laid_out_figure() -> Figure:

@@ -1,6 +1,7 @@
 """Onboarding real weights: the preflight lists every missing or malformed file at once, each
 with the config key that names it; prompts come from a text file with stable generated names; the
-examples pass on the layout README.md gives. In-process and torch-free, but for one dry run."""
+examples pass on the layout the user guide gives (docs/GUIDE.md, "Downloading the weights").
+In-process and torch-free, but for one dry run."""
 
 from __future__ import annotations
 
@@ -302,7 +303,7 @@ def test_real_torch_files_pass_the_magic_check(tmp_path):
     assert torch_file_problem(tmp_path / "legacy.pt") is None
 
 
-# --- examples/ and the layout README.md gives ---------------------------------------------------
+# --- examples/ and the layout docs/GUIDE.md gives -----------------------------------------------
 
 EXAMPLES = sorted(path.stem for path in (REPO / "examples").glob("*.yaml"))
 
@@ -330,11 +331,12 @@ def lora_files(config: dict) -> set[str]:
     return {entry["lora"] for entry in config["checkpoints"].values() if "lora" in entry}
 
 
-def readme_trees() -> dict[str, set[str]]:
-    """The paths of each example's tree in README.md's "Downloading the weights"."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Downloading the weights") :]
-    section = section[: section.index("\n### ", 1)]
+def guide_trees() -> dict[str, set[str]]:
+    """The paths of each example's tree in docs/GUIDE.md's "Downloading the weights" (the section
+    up to the next heading of its level)."""
+    text = (REPO / "docs" / "GUIDE.md").read_text()
+    section = text[text.index("\n## Downloading the weights\n") :]
+    section = section[: section.index("\n## ", 1)]
     trees: dict[str, set[str]] = {}
     current, stack = None, []
     for line in section.splitlines():
@@ -353,15 +355,15 @@ def readme_trees() -> dict[str, set[str]]:
     return trees
 
 
-def test_the_readme_tree_of_each_example_holds_the_files_it_reads():
-    trees = readme_trees()
+def test_the_guide_tree_of_each_example_holds_the_files_it_reads():
+    trees = guide_trees()
     assert sorted(trees) == EXAMPLES
     for name in EXAMPLES:
         assert example_files(example(name)) <= trees[name], name
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_an_example_on_the_readme_layout_passes_the_preflight(tmp_path, name):
+def test_an_example_on_the_guide_layout_passes_the_preflight(tmp_path, name):
     config = example(name)
     validate(config, SCHEMA)
     with chdir(tmp_path):

@@ -21,6 +21,7 @@ from sinkscope.analysis.policies import (
 from sinkscope.frames import block_of_frame, visible_frames
 
 from .rolling_references import Policy, cache_keys, window_blocks, window_keys
+from .test_tables import significant_digits
 
 T = 4
 SIZES = [2, 2, 2, 2, 2]  # 10 frames in 5 blocks
@@ -283,6 +284,10 @@ def test_recall_table_of_a_captured_rollout(tmp_path, tiny_model, tiny_text):
     )
     table = read_policies(out)
     assert list(table.columns) == COLUMNS
+    # Recall with 6 significant digits (17 before), the counts whole numbers, empty where none.
+    text = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert max(significant_digits(value) for value in text["recall"]) <= 6
+    assert set(text["sink_frames"]) <= {"", "0", "1"} and set(text["budget"]) == {"2", "3", "4"}
     assert set(table["policy"]) == {
         "window",
         "sink_window",

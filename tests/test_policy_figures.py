@@ -1,5 +1,6 @@
 """Figures of KV-cache policy recall (Contract 5 tables): file names, and the plotted medians,
-quartiles and map cells against numpy on a synthetic recall table."""
+quartiles and map cells against numpy on a synthetic recall table; the heads a median hides (a
+planted sink head) drawn and named."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.collections import QuadMesh
+from matplotlib.text import Annotation
 
 from sinkscope.analysis import figures, policies
 from sinkscope.analysis.plots import render_figures
@@ -21,6 +23,7 @@ from sinkscope.analysis.plots.policy import (
     plot_policy_map,
     plot_policy_recall,
     plot_policy_sinks,
+    spread_labels,
 )
 from sinkscope.analysis.plots.render import builder_of
 
@@ -170,7 +173,7 @@ def test_policy_file_names_round_trip():
         *figures.survey_figures("o", [0, 1], "svg"),
         *figures.survey_compare_figures("o", [0, 1], "svg"),
     ]
-    assert len(others) == 9 + 3 + 4 + 1
+    assert len(others) == 9 + 3 + 6 + 2
     assert not any("policy" in f.path or f.kind.scope == "policies" for f in others)
     for f in others:
         assert figures.parse_figure_path(f.path)[0] is f.kind
@@ -293,6 +296,104 @@ def test_sink_sweep_is_window_then_each_sink(budget):
             assert references == {}
         uniform = lines_by_label(ax)[UNIFORM_LABEL]
         np.testing.assert_allclose(uniform.get_ydata(), shown / 6)
+
+
+PLANTED = (0, 1)  # layer, head
+PLANTED_SWEEP = {0: 0.0, 1: 0.7, 2: 0.95}  # its recall against S at budget 4: the window loses it
+
+
+def planted_table() -> pd.DataFrame:
+    """`make_table` with the last block at step 0 made plain: every head keeps 0.4 + 0.01 x head
+    under every policy below the visible frames, but L0H1, a sink head: under the window (and
+    S = 0) nothing, under the sink window at budget 4 the recall of PLANTED_SWEEP."""
+    table = make_table()
+    last = (table["query_block"] == BLOCKS - 1) & (table["step"] == 0) & (table["budget"] < 6)
+    table.loc[last, "recall"] = 0.4 + 0.01 * table.loc[last, "head"]
+    planted = last & (table["layer"] == PLANTED[0]) & (table["head"] == PLANTED[1])
+    window = planted & (table["policy"] == "window")
+    table.loc[window, "recall"] = 0.0
+    for sink, recall in PLANTED_SWEEP.items():
+        chosen = planted & (table["policy"] == "sink_window") & (table["budget"] == 4)
+        chosen &= table["sink_frames"].fillna(-1) == sink
+        table.loc[chosen, "recall"] = recall
+    return table
+
+
+def named(ax) -> list[Annotation]:
+    return [text for text in ax.texts if isinstance(text, Annotation) and "L" in text.get_text()]
+
+
+def test_sink_sweep_draws_every_head_and_names_the_planted_one():
+    """The median over heads stays flat while one head goes from 0 to 0.95 (the demo's L0H0:
+    "sinks do not help"): every head is drawn, and the planted head in colour with its gain."""
+    table = planted_table()
+    fig = plot_policy_sinks(table, budget=4)
+    gain = PLANTED_SWEEP[2] - PLANTED_SWEEP[0]
+    panels = data_panels(fig)
+    for ax, layers in zip(panels, [[0], [1], [2], [0, 1, 2]], strict=True):
+        median = lines_by_label(ax)["sinks + window (S = 0: window), B = 4"].get_ydata()
+        assert abs(median[-1] - median[0]) < 0.02  # the summary hides it
+        (each,) = [c for c in ax.collections if c.get_label() == "_each head"]
+        curves = sorted(tuple(segment[:, 1]) for segment in each.get_segments())
+        expected = [
+            tuple(
+                expected_values(table[table["head"] == head], 0, [layer], policy, 4, sink=sink)[0]
+                for policy, sink in (("window", 0), ("sink_window", 1), ("sink_window", 2))
+            )
+            for layer in layers
+            for head in range(4)
+        ]
+        np.testing.assert_allclose(curves, sorted(expected), rtol=1e-12)
+        drawn = [line for line in ax.lines if line.get_label().startswith("_named")]
+        if PLANTED[0] in layers:
+            (line,) = drawn  # no other head changes by 0.05
+            assert line.get_label() == "_named L0H1"
+            np.testing.assert_array_equal(line.get_xdata(), [0.0, 1.0, 2.0])
+            assert line.get_ydata()[-1] - line.get_ydata()[0] == pytest.approx(gain)
+            (name,) = named(ax)
+            assert name.get_text() == f"L0H1 +{gain:.2f}"
+            assert name.xy == pytest.approx((2.0, PLANTED_SWEEP[2]))
+        else:
+            assert drawn == [] and named(ax) == []
+    assert any(label.startswith("each head; named") for label in legend_texts(fig))
+
+
+def legend_texts(fig) -> list[str]:
+    return [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+
+
+def test_recall_draws_each_policys_worst_head_and_names_the_planted_one():
+    """The median and quartiles of the window hide a head it loses entirely: a thin line per
+    policy is the head it keeps least of at each budget, and the head furthest below its
+    policy's median is named."""
+    table = planted_table()
+    fig = plot_policy_recall(table)
+    layer0, _, layer2, pooled = data_panels(fig)
+    for ax, layers in ((layer0, [0]), (pooled, [0, 1, 2])):
+        worst = lines_by_label(ax)["_worst: window (S = 0)"]
+        least = [expected_values(table, 0, layers, "window", b, sink=0).min() for b in BUDGETS]
+        np.testing.assert_array_equal(worst.get_xdata(), BUDGETS)
+        np.testing.assert_allclose(worst.get_ydata(), least, rtol=1e-12)
+        assert list(worst.get_ydata()[:2]) == [0.0, 0.0]  # the planted head, lost
+        (name,) = named(ax)
+        assert name.get_text() == "L0H1" and name.xy == pytest.approx((2.0, 0.0))
+    assert named(layer2) == []  # no head there 0.05 below its policy's median
+    assert any(
+        label.startswith("thin: the head a policy keeps least of") for label in legend_texts(fig)
+    )
+
+
+@pytest.mark.parametrize(
+    ("wanted", "gap"),
+    [([0.95, 0.93, 0.5], 0.075), ([0.1, 0.1, 0.1], 0.1), ([0.4], 0.075), ([0.2, 0.9, 0.21], 0.05)],
+)
+def test_end_labels_keep_their_order_and_their_distance(wanted, gap):
+    placed = spread_labels(wanted, gap)
+    order = np.argsort(wanted, kind="stable")
+    heights = np.asarray(placed)[order]
+    assert np.all(np.diff(heights) >= gap - 1e-12)  # apart, and in the order of their lines
+    # moved no more than the crowding asks: at most the gaps of the others
+    assert np.max(np.abs(np.asarray(placed) - wanted)) <= gap * (len(wanted) - 1) + 1e-12
 
 
 @pytest.mark.parametrize("budget", [None, 2, 4])

@@ -3,7 +3,8 @@ grid, heads heatmap, frame maps, layer comparison and statistics, drawn from syn
 datasets (Contract 2): files, text, and the plotted numbers against numpy and the statistics CSV
 (Contract 3); the paper options (query block shaded, minimum annotated, seam-free vector maps,
 latent frame 0 wide on the video axis, linear or log scales, one colour scale across layers,
-legends off the data, the key versions of a rolling run marked)."""
+legends off the data, the key versions of a rolling run marked); probabilities beside logits in
+the headline figures, sink scores with units, and the heads a summary over heads would hide."""
 
 from __future__ import annotations
 
@@ -23,23 +24,20 @@ from sinkscope.analysis import stats
 from sinkscope.analysis.plots import render, render_figures
 from sinkscope.analysis.plots.common import (
     ANCHOR_LABEL,
+    LOGIT_CMAP,
     MEASURE_VARIABLES,
+    PROBABILITY_CMAP,
     PROFILE_LABELS,
     UNSEEN_COLOR,
     color_limits,
     frame_edges,
-    last_block_profile,
     log_scaled,
     marks_key_versions,
     save_figure,
     version_label,
 )
 from sinkscope.analysis.plots.run import (
-    ANCHOR_COLOR,
-    BAR_COLOR,
     MAP_LABELS,
-    _query_block,
-    head_statistics,
     plot_figure4,
     plot_frame_maps,
     plot_heads_grid,
@@ -47,6 +45,8 @@ from sinkscope.analysis.plots.run import (
     plot_layer_comparison,
     plot_statistics,
 )
+from sinkscope.analysis.plots.run_data import head_statistics, query_block
+from sinkscope.analysis.plots.run_profile import ANCHOR_COLOR, BAR_COLOR, UNIFORM_LABEL
 
 from .figurefixtures import (
     SMALL,
@@ -62,6 +62,16 @@ from .figurefixtures import (
     with_key_versions,
     write_store,
 )
+
+
+def profile_panels(fig, measure: str) -> list:
+    """The panels of figure4 that draw `measure` (their y label says which), in drawing order."""
+    return [ax for ax in fig.axes if ax.get_ylabel() == PROFILE_LABELS[measure]]
+
+
+def map_panels(fig, measure: str) -> list:
+    """The head panels of frame maps that draw `measure` (their title ends with its name)."""
+    return [ax for ax in fig.axes if ax.get_title().endswith(f" {measure}")]
 
 
 def test_sink_score_uses_frames_between_first_and_last_visible():
@@ -85,8 +95,10 @@ def test_figure4_plots_the_last_block_profile_and_its_max(measure, variable):
     datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
     heads = [(0, 0), (1, 3)]
     fig = plot_figure4(datasets, heads, measure=measure, step=2)
-    assert [ax.get_title() for ax in fig.axes] == ["L0H0", "L1H3"]
-    for ax, (layer, head) in zip(fig.axes, heads, strict=True):
+    panels = profile_panels(fig, measure)
+    assert fig.axes[:2] == panels  # the measure asked for first
+    assert [ax.get_title() for ax in panels] == ["L0H0", "L1H3"]
+    for ax, (layer, head) in zip(panels, heads, strict=True):
         expected = numpy_last_block(datasets[layer], variable, 2)[head]
         heights = [patch.get_height() for patch in ax.containers[0]]
         np.testing.assert_allclose(heights, expected, rtol=1e-6)
@@ -140,7 +152,7 @@ def test_figure4_shades_the_query_block(block_sizes, frame_axis, expected):
         assert data_range(ax, band) == pytest.approx(expected, abs=1e-6)
         assert band.get_zorder() < min(line.get_zorder() for line in ax.lines)  # behind the data
     (legend,) = fig.legends
-    last = expected_frames = _query_block(ds)
+    last = expected_frames = query_block(ds)
     assert expected_frames == list(range(last[0], last[-1] + 1))
     assert f"latent {last[0]}–{last[-1]}" in legend.get_texts()[0].get_text()
     # The title still names the query set.
@@ -157,11 +169,11 @@ def test_figure4_annotates_the_minimum_on_request(measure):
     variable = MEASURE_VARIABLES[measure]
     expected = numpy_last_block(ds, variable, 0)[1]
 
-    (ax,) = plot_figure4([ds], [(0, 1)], measure=measure).axes
+    (ax,) = profile_panels(plot_figure4([ds], [(0, 1)], measure=measure), measure)
     assert set(annotations(ax)) == {"max"}  # the default: as before
 
     fig = plot_figure4([ds], [(0, 1)], measure=measure, annotate=["max", "min"])
-    (ax,) = fig.axes
+    (ax,) = profile_panels(fig, measure)
     marks = annotations(ax)
     assert set(marks) == {"max", "min"}
     low = int(np.argmin(expected))
@@ -182,7 +194,7 @@ def test_figure4_annotates_the_minimum_on_request(measure):
 def test_video_frame_axis_spreads_21_latents_over_81_frames():
     ds = make_frame_dataset()
     fig = plot_figure4([ds], [(0, 1)], frame_axis="video")
-    (ax,) = fig.axes
+    (ax,) = profile_panels(fig, "logits")
     centers = [patch.get_x() + patch.get_width() / 2 for patch in ax.containers[0]]
     # Latents 1..20 sit at the centres of their 4 video frames; latent 0 (video frame 0 alone)
     # is drawn as wide as they are, in the cell -3.5..0.5 that ends where latent 1 starts.
@@ -205,7 +217,7 @@ def test_latent_frame_0_is_drawn_as_wide_as_a_latent_on_the_video_axis():
     ds = make_frame_dataset(**SMALL)
     edges = frame_edges(9, "video")
     assert np.diff(edges)[0] == 4 and edges[1] == 0.5  # ends where latent 1 (frames 1-4) starts
-    (ax,) = plot_figure4([ds], [(0, 1)], frame_axis="video").axes
+    (ax,) = profile_panels(plot_figure4([ds], [(0, 1)], frame_axis="video"), "logits")
     widths = [bar.get_width() for bar in ax.containers[0]]
     assert widths[0] >= 3 and widths[0] == pytest.approx(widths[1])
     maps = plot_frame_maps(ds, frame_axis="video")
@@ -232,7 +244,7 @@ def test_frame_maps_grey_unseen_symmetric_logits_log_probabilities():
         assert mesh.cmap.get_bad() == pytest.approx(grey)
         shown = np.ma.getmaskarray(mesh.get_array()).reshape(21, 21)
         np.testing.assert_array_equal(shown, unseen[head])
-    assert [ax.get_title() for ax in fig.axes[:4]] == ["L0H0", "L0H1", "L0H2", "L0H3"]
+    assert [ax.get_title() for ax in fig.axes[:4]] == [f"L0H{h} logits" for h in range(4)]
 
     fig = plot_frame_maps(ds, measure="probabilities")
     meshes = [c for ax in fig.axes[:4] for c in ax.collections if isinstance(c, QuadMesh)]
@@ -260,6 +272,89 @@ def test_frame_maps_pick_the_scale_by_the_data():
     assert type(mesh.norm) is mcolors.Normalize and mesh.norm.vmin == 0
 
 
+def without_probabilities(ds):
+    """`ds` as a frame dataset reduced without token logits holds it: probabilities all NaN."""
+    ds = ds.copy()
+    ds["prob_mass"] = ds["prob_mass"] * np.nan
+    return ds
+
+
+def test_figure4_shows_probabilities_beside_logits():
+    """A sink reads as a share of the attention: under the logit panels the same heads in
+    probability, the uniform share 1 / V marked and the maximum in multiples of it (L0H0's
+    frame 0 is a pale +3.4 logit beside a loud -10, and 0.66 of the mass, 13.8x uniform)."""
+    ds = make_frame_dataset(layer=0, seed=1)
+    heads = [(0, 0), (0, 3)]
+    fig = plot_figure4([ds], heads)
+    logits, probabilities = profile_panels(fig, "logits"), profile_panels(fig, "probabilities")
+    assert fig.axes == [*logits, *probabilities]
+    assert [ax.get_title() for ax in probabilities] == ["L0H0", "L0H3"]
+    for ax, (_, head) in zip(probabilities, heads, strict=True):
+        expected = numpy_last_block(ds, "prob_mass", 0)[head]
+        visible = int(np.isfinite(expected).sum())
+        np.testing.assert_allclose(
+            [bar.get_height() for bar in ax.containers[0]], expected, rtol=1e-6
+        )
+        (uniform,) = [line for line in ax.lines if line.get_label() == "_uniform share"]
+        np.testing.assert_allclose(uniform.get_ydata(), 1 / visible)
+        peak = int(np.nanargmax(expected))
+        text = annotations(ax)["max"].get_text()
+        assert (
+            text
+            == f"max {expected[peak]:.3g}, frame {peak}\n{expected[peak] * visible:.3g}x uniform"
+        )
+    for ax in logits:  # a logit has no uniform share
+        assert not [line for line in ax.lines if line.get_label() == "_uniform share"]
+        assert "uniform" not in annotations(ax)["max"].get_text()
+    assert UNIFORM_LABEL in legend_labels(fig)
+
+    # Probabilities asked for lead; a dataset without them draws its logits alone.
+    fig = plot_figure4([ds], heads, measure="probabilities")
+    assert fig.axes == [*profile_panels(fig, "probabilities"), *profile_panels(fig, "logits")]
+    fig = plot_figure4([without_probabilities(ds)], heads)
+    assert fig.axes == profile_panels(fig, "logits") and len(fig.axes) == 2
+    assert UNIFORM_LABEL not in legend_labels(fig)
+
+
+def panel_mesh(ax) -> np.ndarray:
+    """The values a map panel draws, NaN where masked (unseen)."""
+    (mesh,) = [c for c in ax.collections if isinstance(c, QuadMesh)]
+    return np.ma.filled(np.ma.asarray(mesh.get_array(), dtype=float), np.nan)
+
+
+def test_heads_heatmap_and_frame_maps_show_probabilities_beside_logits():
+    ds = make_frame_dataset(layer=2, **SMALL)
+    heatmap = plot_heads_heatmap(ds)
+    panels = {ax.get_title(): ax for ax in heatmap.axes if ax.get_title()}
+    assert list(panels) == ["Attention logits", "Attention probabilities"]
+    for title, variable in (
+        ("Attention logits", "logit_mean"),
+        ("Attention probabilities", "prob_mass"),
+    ):
+        expected = numpy_last_block(ds, variable, 0)
+        np.testing.assert_allclose(
+            panel_mesh(panels[title]).reshape(expected.shape), expected, rtol=1e-6
+        )
+    labels = [ax.get_ylabel() for ax in heatmap.axes if not ax.get_title()]  # the colour bars
+    assert [label.replace("\n", " ") for label in labels] == list(PROFILE_LABELS.values())
+
+    maps = plot_frame_maps(ds, measure="probabilities")
+    for measure, variable in (("probabilities", "prob_mass"), ("logits", "logit_mean")):
+        panels = map_panels(maps, measure)
+        assert [ax.get_title() for ax in panels] == [f"L2H{h} {measure}" for h in (0, 1)]
+        for head, ax in enumerate(panels):
+            expected = ds[variable].values[0, head]
+            np.testing.assert_allclose(panel_mesh(ax).reshape(expected.shape), expected, rtol=1e-6)
+    assert maps.axes[0] is map_panels(maps, "probabilities")[0]  # the measure asked for first
+    texts = figure_texts(maps)
+    assert MAP_LABELS["logits"] in texts and MAP_LABELS["probabilities"] in texts
+
+    # Without probabilities (a frame dataset reduced without token logits): logits alone.
+    alone = without_probabilities(ds)
+    assert [ax.get_title() for ax in plot_heads_heatmap(alone).axes if ax.get_title()] == []
+    assert [ax.get_title() for ax in plot_frame_maps(alone).axes[:2]] == ["L2H0", "L2H1"]
+
+
 @pytest.mark.parametrize("builder", [plot_heads_heatmap, plot_frame_maps], ids=lambda b: b.__name__)
 def test_map_cells_overlap_so_no_seams_show(tmp_path, builder):
     """Vector viewers antialias each cell's edge on its own, which leaves hairline seams between
@@ -284,13 +379,15 @@ def test_layer_comparison_and_statistics_values():
     datasets = [make_frame_dataset(layer=0, seed=1), make_frame_dataset(layer=1, seed=2)]
     fig = plot_layer_comparison(datasets)
     (ax,) = fig.axes
-    for line, ds in zip(ax.lines, datasets, strict=True):
+    means = {line.get_label(): line for line in ax.lines if line.get_label().startswith("Layer")}
+    for line, ds in zip(means.values(), datasets, strict=True):
         np.testing.assert_allclose(
             line.get_ydata(), numpy_last_block(ds, "logit_mean", 0).mean(axis=0), rtol=1e-6
         )
     # The legend sits under the panel, outside the data.
     assert ax.get_legend() is None
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Layer 0", "Layer 1"]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["Layer 0", "Layer 1", "one head"]
 
     fig = plot_statistics(datasets)
     (ax,) = fig.axes
@@ -302,13 +399,104 @@ def test_layer_comparison_and_statistics_values():
         assert middle_bars[i].get_height() == pytest.approx(middle, rel=1e-6)
 
 
-def test_heads_grid_titles_carry_sink_scores():
+def score_text(value: float, decimals: int) -> str:
+    """A sink score as the titles print it, written out here: sign, decimals, a minus sign."""
+    text = f"{value:+.{decimals}f}"
+    if float(text) == 0:
+        return f"{0:.{decimals}f}"
+    return text.replace("-", "\u2212")
+
+
+def planted_run() -> list:
+    """Layers 0 and 2 of a run; in layer 2 head 3's attention fifty times the others' (the
+    demo's planted L2H3), the others spread evenly (none of them stands apart)."""
+    plain = make_frame_dataset(layer=0, num_heads=6, seed=1)
+    planted = make_frame_dataset(layer=2, num_heads=6, seed=2)
+    planted["logit_mean"][:, 3] = planted["logit_mean"][:, 3] * 50
+    return [plain, planted]
+
+
+def test_statistics_draw_every_head_and_name_the_one_apart():
+    """Mean and std over heads buried a planted head: every head is a dot of its layer's
+    first, middle and last bars, and the planted head, apart from the others, is named."""
+    datasets = planted_run()
+    (ax,) = plot_statistics(datasets).axes
+    dots = {line.get_label(): line for line in ax.lines if line.get_label().startswith("_heads")}
+    assert list(dots) == [
+        f"_heads: {part}" for part in ("First frame", "Middle frames", "Last frame")
+    ]
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    for line, container, part in zip(dots.values(), bars, range(3), strict=True):
+        expected = []
+        for ds in datasets:
+            profile = numpy_last_block(ds, "logit_mean", 0)
+            parts = (profile[:, 0], profile[:, 1:-1].mean(axis=1), profile[:, -1])
+            expected.append(parts[part])
+        np.testing.assert_allclose(line.get_ydata(), np.concatenate(expected), rtol=1e-6)
+        # each layer's dots within its bar, in head order
+        for index, bar in enumerate(container):
+            xs = line.get_xdata()[6 * index : 6 * (index + 1)]
+            assert bar.get_x() < xs[0] < xs[-1] < bar.get_x() + bar.get_width()
+            assert np.all(np.diff(xs) > 0)
+            assert bar.get_height() == pytest.approx(expected[index].mean(), rel=1e-6)
+    # Named: the planted head alone, at least on its first-frame dot (its sink), where it
+    # stands apart; never a head of the evenly spread ones.
+    names = [text for text in ax.texts if isinstance(text, Annotation)]
+    assert {text.get_text() for text in names} == {"L2H3"}
+    planted = numpy_last_block(datasets[1], "logit_mean", 0)[3]
+    first = dots["_heads: First frame"]
+    at = 6 + 3  # layer 2 (the second), head 3
+    assert (first.get_xdata()[at], planted[0]) in [pytest.approx(text.xy) for text in names]
+
+
+def test_layer_comparison_draws_every_head_and_names_the_one_apart():
+    datasets = planted_run()
+    (ax,) = plot_layer_comparison(datasets).axes
+    lines = {line.get_label(): line for line in ax.lines}
+    for ds in datasets:
+        layer = int(ds["layer"])
+        profile = numpy_last_block(ds, "logit_mean", 0)
+        for head in range(6):
+            drawn = lines[f"_head L{layer}H{head}"]
+            np.testing.assert_allclose(drawn.get_ydata(), profile[head], rtol=1e-6)
+        np.testing.assert_allclose(
+            lines[f"Layer {layer}"].get_ydata(), profile.mean(axis=0), rtol=1e-6
+        )
+    (name,) = [text for text in ax.texts if isinstance(text, Annotation)]
+    planted = numpy_last_block(datasets[1], "logit_mean", 0)
+    frame = int(np.argmax(np.abs(planted[3] - planted.mean(axis=0))))
+    assert name.get_text() == "L2H3"
+    assert name.xy == pytest.approx((frame, planted[3, frame]), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("measure", "variable", "unit"),
+    [("logits", "logit_mean", "logit"), ("probabilities", "prob_mass", "mass")],
+)
+def test_heads_grid_titles_carry_sink_scores(measure, variable, unit):
     ds = make_frame_dataset(layer=4, num_heads=10)
-    fig = plot_heads_grid(ds)
+    fig = plot_heads_grid(ds, measure=measure)
+    profile = numpy_last_block(ds, variable, 0)
+    scores = profile[:, 0] - profile[:, 1:-1].mean(axis=1)
+    # Every title to the decimals that give the largest score three significant figures.
+    decimals = 2 - int(np.floor(np.log10(np.abs(scores).max())))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [
+        f"L4H{h} sink score {score_text(scores[h], decimals)} {unit}" for h in range(10)
+    ]
+
+
+def test_heads_grid_titles_share_one_precision_and_name_the_unit():
+    """One strong head and weak ones: the weak scores are printed to the strong one's decimals
+    (the titles read "sink -4.08" beside "sink 0.000469": no unit, three figures each)."""
+    ds = make_frame_dataset(layer=2, num_heads=4, seed=3)
+    ds["logit_mean"][:, 1] = ds["logit_mean"][:, 1] * 0.0005  # a flat head: a tiny score
     profile = numpy_last_block(ds, "logit_mean", 0)
     scores = profile[:, 0] - profile[:, 1:-1].mean(axis=1)
-    titles = [ax.get_title() for ax in fig.axes]
-    assert titles == [f"L4H{h} sink {scores[h]:.3g}" for h in range(10)]
+    assert abs(scores[1]) < 1e-2 < 1 < np.abs(scores).max() < 10  # two decimals for every head
+    titles = [ax.get_title() for ax in plot_heads_grid(ds).axes]
+    assert titles == [f"L2H{h} sink score {score_text(scores[h], 2)} logit" for h in range(4)]
+    assert titles[1] == "L2H1 sink score 0.00 logit"  # not 0.000469 at three figures of its own
 
 
 def test_heads_grid_panels_hold_every_heads_bars(tmp_path):
@@ -346,10 +534,11 @@ def test_render_run_figures_demo(tmp_path):
         assert texts, f"{path.name} has no <text>: svg.fonttype must be 'none'"
         assert not svg_has_raster(path), f"{path.name} embeds a raster image"
     expected_texts = {
-        "figure4": ["L0H0", "L1H3", "Key frame (latent)", PROFILE_LABELS["logits"]],
+        "figure4": ["L0H0", "L1H3", "Key frame (latent)", *PROFILE_LABELS.values()],
         "layer1_heads_grid": ["Key frame (latent)", PROFILE_LABELS["logits"]],
         "layer0_heads_heatmap": ["L0H0", "L0H3", "Head", "Key frame (latent)"],
-        "layer0_frame_maps": ["L0H2", "Query frame (latent)", MAP_LABELS["logits"]],
+        "layer1_frame_maps": [MAP_LABELS["logits"], MAP_LABELS["probabilities"]],
+        "layer0_frame_maps": ["L0H2 logits", "L0H2 probabilities", "Query frame (latent)"],
         "layer_comparison": ["Layer 0", "Layer 1", "Key frame (latent)"],
         "statistics": ["L0", "L1", "Layer", "First frame", "Middle frames", "Last frame"],
     }
@@ -385,35 +574,43 @@ def test_figures_plot_the_statistics_csv_values(tmp_path):
     assert not np.allclose(old_middle, rows["middle"].to_numpy(), rtol=1e-3)
 
     fig = plot_figure4([ds], [(2, h) for h in range(4)])
-    for head, ax in enumerate(fig.axes):
+    csv_rel = 1e-5  # the CSV keeps 6 significant digits
+    for head, ax in enumerate(profile_panels(fig, "logits")):
         heights = np.array([patch.get_height() for patch in ax.containers[0]])
         assert np.isnan(heights[[1, 3]]).all()
         visible = np.flatnonzero(np.isfinite(heights))
-        assert heights[visible[0]] == pytest.approx(rows.loc[head, "first"], rel=1e-6)
-        assert heights[visible[-1]] == pytest.approx(rows.loc[head, "last"], rel=1e-6)
-        assert heights[visible[1:-1]].mean() == pytest.approx(rows.loc[head, "middle"], rel=1e-6)
+        assert heights[visible[0]] == pytest.approx(rows.loc[head, "first"], rel=csv_rel)
+        assert heights[visible[-1]] == pytest.approx(rows.loc[head, "last"], rel=csv_rel)
+        assert heights[visible[1:-1]].mean() == pytest.approx(rows.loc[head, "middle"], rel=csv_rel)
         (annotation,) = [t for t in ax.texts if isinstance(t, Annotation)]
         assert annotation.xy[0] == rows.loc[head, "argmax_frame"]
 
     grid = plot_heads_grid(ds)
     titles = [ax.get_title() for ax in grid.axes]
-    assert titles == [f"L2H{h} sink {rows.loc[h, 'sink_score']:.3g}" for h in range(4)]
+    decimals = 2 - int(np.floor(np.log10(rows["sink_score"].abs().max())))
+    assert titles == [
+        f"L2H{h} sink score {score_text(rows.loc[h, 'sink_score'], decimals)} logit"
+        for h in range(4)
+    ]
 
     (ax,) = plot_statistics([ds]).axes
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
     for part, container in zip(("first", "middle", "last"), bars, strict=True):
-        assert container[0].get_height() == pytest.approx(rows[part].mean(), rel=1e-6)
+        assert container[0].get_height() == pytest.approx(rows[part].mean(), rel=csv_rel)
 
 
-def drawn_limits(monkeypatch) -> dict[str, tuple[float, float]]:
-    """Record the colour limits of the first map of each figure render_figures would save, in
-    place of the save: a built figure's norm is what its file shows, and drawing it is most of a
-    render's time."""
-    limits: dict[str, tuple[float, float]] = {}
+def drawn_limits(monkeypatch) -> dict[str, dict[str, tuple[float, float]]]:
+    """Record the colour limits of each figure render_figures would save, per measure (the first
+    map on the measure's colour map), in place of the save: a built figure's norm is what its
+    file shows, and drawing it is most of a render's time."""
+    limits: dict[str, dict[str, tuple[float, float]]] = {}
+    measures = {LOGIT_CMAP: "logits", PROBABILITY_CMAP: "probabilities"}
 
     def record(fig, path, fmt="svg"):
-        mesh = next(c for ax in fig.axes for c in ax.collections if isinstance(c, QuadMesh))
-        limits[Path(path).stem] = (mesh.norm.vmin, mesh.norm.vmax)
+        shown = limits.setdefault(Path(path).stem, {})
+        for ax in fig.axes:
+            for mesh in (c for c in ax.collections if isinstance(c, QuadMesh)):
+                shown.setdefault(measures[mesh.cmap.name], (mesh.norm.vmin, mesh.norm.vmax))
         fig.clear()
         return Path(path)
 
@@ -423,31 +620,33 @@ def drawn_limits(monkeypatch) -> dict[str, tuple[float, float]]:
 
 @pytest.mark.parametrize("measure", ["logits", "probabilities"])
 def test_layers_share_one_colour_scale(tmp_path, monkeypatch, measure):
+    """Each measure of the heatmaps and frame maps (probabilities beside logits) on one scale
+    across the run's layers: the limits of its values pooled over the layers."""
     datasets = [make_frame_dataset(layer=layer, seed=layer, **SMALL) for layer in (0, 3)]
     stores = [write_store(tmp_path / "frames", ds) for ds in datasets]
     kinds = ("heads_heatmap", "frame_maps")
     outputs = [tmp_path / f"layer{layer}_{kind}.svg" for layer in (0, 3) for kind in kinds]
     limits = drawn_limits(monkeypatch)
     render_figures(stores, outputs, heads=[(0, 0)], measure=measure)
-    variable = MEASURE_VARIABLES[measure]
-    pooled = {
-        "heads_heatmap": np.concatenate(
-            [last_block_profile(ds, measure, 0).values.ravel() for ds in datasets]
-        ),
-        "frame_maps": np.concatenate([ds[variable].values[0].ravel() for ds in datasets]),
-    }
-    for kind in kinds:
-        assert limits[f"layer0_{kind}"] == limits[f"layer3_{kind}"]
-        expected = color_limits(pooled[kind], measure)
-        if measure == "probabilities" and not log_scaled(expected):
-            expected = (0.0, expected[1])
-        assert limits[f"layer0_{kind}"] == pytest.approx(expected)
+    for shown, variable in MEASURE_VARIABLES.items():
+        pooled = {
+            "heads_heatmap": np.concatenate(
+                [numpy_last_block(ds, variable, 0).ravel() for ds in datasets]
+            ),
+            "frame_maps": np.concatenate([ds[variable].values[0].ravel() for ds in datasets]),
+        }
+        for kind in kinds:
+            assert limits[f"layer0_{kind}"][shown] == limits[f"layer3_{kind}"][shown]
+            expected = color_limits(pooled[kind], shown)
+            if shown == "probabilities" and not log_scaled(expected):
+                expected = (0.0, expected[1])
+            assert limits[f"layer0_{kind}"][shown] == pytest.approx(expected)
 
     # Each file its own scale on request: layer 3's sink heads are stronger than layer 0's.
     limits.clear()
     maps = [path for path in outputs if path.stem.endswith("frame_maps")]
     render_figures(stores, maps, heads=[(0, 0)], measure=measure, shared_scale=False)
-    assert limits["layer0_frame_maps"] != limits["layer3_frame_maps"]
+    assert limits["layer0_frame_maps"][measure] != limits["layer3_frame_maps"][measure]
 
 
 def test_legends_cover_no_panel():
@@ -484,7 +683,7 @@ def legend_labels(fig) -> set[str]:
     return {text.get_text() for legend in fig.legends for text in legend.get_texts()} - {""}
 
 
-def test_figure4_shows_which_copy_of_each_key_frame_the_last_block_saw():
+def test_figure4_shows_which_copy_of_each_key_frame_the_last_block_saw(tmp_path):
     ds = with_key_versions(make_frame_dataset(**ROLLING))
     fig = plot_figure4([ds], [(0, 0), (0, 3)], step=1)
     for ax in fig.axes:
@@ -499,6 +698,7 @@ def test_figure4_shows_which_copy_of_each_key_frame_the_last_block_saw():
         assert older > own
     assert legend_labels(fig) == {
         "the query block's own key frames (latent 9–11)",
+        UNIFORM_LABEL,  # the probability panels' reference line
         ANCHOR_LABEL,
         "clean copy",
         "noisy copy, t=833.33",
@@ -507,13 +707,18 @@ def test_figure4_shows_which_copy_of_each_key_frame_the_last_block_saw():
     # L0H3's sink on frame 0 is the anchor's, and its label says so.
     assert annotations(fig.axes[1])["max"].get_text().endswith("frame 0 (anchor)")
     assert not overlapping_legends(fig)
+    save_figure(fig, tmp_path / "figure4.svg")  # as laid out in the file
+    (legend,) = fig.legends
+    assert fig.bbox.contains(*legend.get_window_extent().p0)  # no entry cut off by the page
+    assert fig.bbox.contains(*legend.get_window_extent().p1)
 
 
 def test_frame_maps_outline_the_anchor_and_hatch_the_noisy_copies():
     ds = with_key_versions(make_frame_dataset(**ROLLING))
     versions = ds["key_version"].values[0]
     fig = plot_frame_maps(ds, step=0)
-    for ax in fig.axes[:4]:  # the panels, not the colorbar
+    logits, probabilities = map_panels(fig, "logits"), map_panels(fig, "probabilities")
+    for ax in [*logits, *probabilities]:  # the panels, not the colour bars
         (outline,) = [patch for patch in ax.patches if patch.get_label() == "_anchor"]
         corners = outline.get_path().vertices
         # around the anchor's cells: key frames 0-2 of query frames 3-11
@@ -522,7 +727,8 @@ def test_frame_maps_outline_the_anchor_and_hatch_the_noisy_copies():
         (hatched,) = [patch for patch in ax.patches if patch.get_hatch()]
         cells = hatched.get_path().codes == hatched.get_path().MOVETO
         assert cells.sum() == (versions >= 2).sum()
-        assert ax.get_xlabel() == "Key frame (latent)"  # the legend takes the figure's foot
+        # the bottom row names its axis (the legend takes the figure's foot), no other
+        assert ax.get_xlabel() == ("Key frame (latent)" if ax in probabilities else "")
     assert legend_labels(fig) == {ANCHOR_LABEL, "noisy copy (a block of the denoising window)"}
     assert not overlapping_legends(fig)
 
@@ -539,7 +745,7 @@ def test_figures_without_rolling_versions_draw_as_before(tmp_path):
     }
     for name, build in builders.items():
         fig = build(plain)
-        assert len(legend_labels(fig)) == (1 if name == "figure4" else 0)
+        assert len(legend_labels(fig)) == (2 if name == "figure4" else 0)
         for ax in fig.axes:
             assert not [patch for patch in ax.patches if patch.get_hatch()]
             assert not [patch for patch in ax.patches if patch.get_label() == "_anchor"]

@@ -12,6 +12,8 @@ from sinkscope import frames
 from sinkscope.analysis.stats import (
     COLUMNS,
     MEAN_HEAD,
+    SINK_RATE_KEYS,
+    SINK_THRESHOLD,
     STAT_COLUMNS,
     frame_statistics,
     per_head,
@@ -20,7 +22,7 @@ from sinkscope.analysis.stats import (
     write_stats,
     write_summary,
 )
-from sinkscope.storage import mark_complete
+from sinkscope.storage import CSV_SIGNIFICANT_DIGITS, mark_complete
 
 nan = np.nan
 
@@ -78,12 +80,17 @@ def row(
     return match.iloc[0]
 
 
+# What a value read back from a CSV keeps: 6 significant digits (storage.CSV_SIGNIFICANT_DIGITS),
+# so within half a unit of the sixth.
+CSV_REL = 0.5 * 10.0 ** (1 - CSV_SIGNIFICANT_DIGITS)
+
+
 def check(got: pd.Series, **expected):
     for name, value in expected.items():
         if value is None:
             assert pd.isna(got[name]), (name, got[name])
         else:
-            assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-6), name
+            assert got[name] == pytest.approx(value, rel=CSV_REL, abs=1e-6), name
 
 
 # Last block (frames 2, 3), worked out by hand from the tables above.
@@ -624,30 +631,126 @@ def test_summary_needs_input(tmp_path):
 
 def test_sink_rate():
     table = frame_statistics(hand_dataset())
-    # Importance of frame 0: head 0 (0.6 + 0.8 + 0.5 + 0.3) / 4 = 0.55; head 1 0.25.
+    # Last block, 4 visible key frames: head 0 puts 0.4 on frame 0 (1.6x its uniform share of
+    # 0.25), head 1 0.1 (0.4x). At the default 3x neither is a sink.
     rates = sink_rates(table)
-    assert rates["sink_rate"].tolist() == [0.5, 0.5]
-    assert rates["sink_heads"].tolist() == [1, 1]
+    assert rates["sink_rate"].tolist() == [0.0, 0.0]
     assert rates["pass_kind"].tolist() == ["denoise", "cache"]
-    assert sink_rates(table, threshold=0.2)["sink_rate"].tolist() == [1.0, 1.0]
-    assert sink_rates(table, threshold=0.6)["sink_rate"].tolist() == [0.0, 0.0]
-    # A query frame that cannot see frame 0 is left out: head 0 becomes (0.6 + 0.8 + 0.5) / 3.
-    blind = hand_dataset()
-    blind["prob_mass"][:, 0, 3, 0] = np.nan
-    assert sink_rates(frame_statistics(blind), 0.6)["sink_rate"].tolist() == [0.5, 0.5]
+    assert rates["query"].tolist() == ["last_block", "last_block"]
+    assert rates["threshold"].tolist() == [SINK_THRESHOLD, SINK_THRESHOLD]
+    assert sink_rates(table, threshold=1.5)["sink_heads"].tolist() == [1, 1]
+    assert sink_rates(table, threshold=1.5)["sink_rate"].tolist() == [0.5, 0.5]
+    assert sink_rates(table, threshold=0.3)["sink_rate"].tolist() == [1.0, 1.0]
+    assert sink_rates(table, threshold=1.7)["sink_rate"].tolist() == [0.0, 0.0]
+
+
+def test_sink_rate_per_query_set_follows_the_visible_frames():
+    """each_block: one rate per query block, each block's first-frame mass against its own
+    uniform share. Head 0 puts more mass on frame 0 in block 0 (0.7 of 2 visible frames: 1.4x)
+    than in block 1 (0.4 of 4: 1.6x), yet only block 1 is a sink at 1.5x."""
+    table = frame_statistics(hand_dataset(), query="each_block", sink_threshold=1.5)
+    rates = sink_rates(table, threshold=1.5)
+    assert rates[["step", "query", "sink_heads"]].values.tolist() == [
+        [0, "block0", 0],
+        [0, "block1", 1],
+        [1, "block0", 0],
+        [1, "block1", 1],
+    ]
+    mass = per_head(table[table["measure"] == "prob_mass"])
+    sinks = mass[mass["head_class"] == "sink"]
+    assert set(zip(sinks["query"], sinks["head"], strict=True)) == {("block1", 0)}
+
+
+def test_uniform_attention_is_no_sink_whatever_the_visible_frames():
+    """A head that spreads its mass evenly scores 1 in every query set, so it is no sink at any
+    threshold above 1: with 2 visible frames its first frame holds 0.5 (the old absolute rule,
+    mass >= 0.3, called that a sink), with 8 frames 0.125. A head with 3x the uniform share on
+    frame 0 is a sink at the default threshold in every block that sees 4 frames or more."""
+    block_sizes = [2, 2, 2, 2]
+    seen = frames.visible_frames(block_sizes)
+    uniform = np.where(seen, 1.0 / seen.sum(axis=1, keepdims=True), nan)
+    count = seen.sum(axis=1, keepdims=True)
+    # Head 1: 3/visible on frame 0 (where that is at most 1), the rest spread evenly.
+    first = np.minimum(3.0 / count, 1.0)
+    rest = np.where(count > 1, (1.0 - first) / np.maximum(count - 1, 1), 0.0)
+    strong = np.where(seen, rest, nan)
+    strong[:, 0] = first[:, 0]
+    ds = _mass_dataset(np.stack([uniform, strong]), block_sizes)
+    table = per_head(frame_statistics(ds, query="each_block"))
+    mass = table[table["measure"] == "prob_mass"].set_index(["head", "query"])
+    visible = {f"block{b}": 2 * (b + 1) for b in range(4)}
+    for query, frames_seen in visible.items():
+        assert mass.loc[(0, query), "uniform_multiple"] == pytest.approx(1.0)
+        assert mass.loc[(0, query), "head_class"] != "sink"
+        expected = min(3.0, frames_seen)
+        assert mass.loc[(1, query), "uniform_multiple"] == pytest.approx(expected)
+    # Block 0 (2 frames) cannot reach 3x; blocks 1-3 reach it exactly: inclusive.
+    assert [mass.loc[(1, q), "head_class"] == "sink" for q in visible] == [False, True, True, True]
+    rates = sink_rates(table)
+    assert rates["sink_heads"].tolist() == [0, 1, 1, 1]
+
+
+def _mass_dataset(prob_mass: np.ndarray, block_sizes: list[int]) -> xr.Dataset:
+    """One step, the heads of `prob_mass` [head, query, key] (logits their log)."""
+    heads, num_frames, _ = prob_mass.shape
+    mass = prob_mass[None]
+    return xr.Dataset(
+        {
+            "prob_mass": (("step", "head", "query_frame", "key_frame"), mass),
+            "logit_mean": (("step", "head", "query_frame", "key_frame"), np.log(mass + 1e-3)),
+            "entropy": (("step", "head", "query_frame"), np.ones((1, heads, num_frames))),
+        },
+        coords={
+            "step": [0],
+            "head": range(heads),
+            "query_frame": range(num_frames),
+            "key_frame": range(num_frames),
+            "timestep": ("step", [1000.0]),
+            "pass_kind": ("step", ["denoise"]),
+            "block": ("query_frame", frames.block_of_frame(block_sizes)),
+            "checkpoint": "c",
+            "prompt": "p",
+            "layer": 0,
+        },
+    )
 
 
 def test_sink_threshold_is_inclusive_in_head_class_and_sink_rate():
-    """One rule: a head whose mass on frame 0 equals the threshold is a sink head, in both."""
+    """One rule: a head whose first-frame mass is exactly the threshold times its uniform share
+    is a sink head, in both."""
     ds = _class_dataset()
     ds["prob_mass"][:, 0, :, 0] = 0.5  # head 0: exactly 0.5 on frame 0 from every query frame
-    for threshold, sink in ((0.5, True), (np.nextafter(0.5, 1.0), False)):
+    # The last block sees 4 frames: 0.5 is 2x the uniform share 0.25.
+    for threshold, sink in ((2.0, True), (np.nextafter(2.0, 3.0), False)):
         table = frame_statistics(ds, sink_threshold=threshold)
         head0 = table[(table["measure"] == "prob_mass") & (table["head"] == 0)].iloc[0]
-        assert head0["first"] == 0.5 and head0["importance"] == 0.5
+        assert head0["first"] == 0.5 and head0["uniform_multiple"] == 2.0
         assert (head0["head_class"] == "sink") is sink
         rates = sink_rates(table, threshold=threshold)
         assert rates["sink_heads"].tolist() == [1 if sink else 0]
+
+
+def test_head_class_and_sink_rate_share_one_definition():
+    """The sink rate counts exactly the heads head_class calls sinks, at every threshold, on
+    heads whose last-block first-frame mass and Gu et al.'s importance (over every query frame)
+    rank them differently: the old rule counted importance for the rate and the last block's
+    mass for the class."""
+    ds = _class_dataset()
+    table = per_head(frame_statistics(ds))
+    mass = table[table["measure"] == "prob_mass"].set_index("head")
+    # By hand, last block (frames 2, 3 see 4 frames): first-frame mass 0.55, 0.1, 0.225.
+    multiples = {0: 0.55 * 4, 1: 0.1 * 4, 2: 0.225 * 4}
+    for head, multiple in multiples.items():
+        assert mass.loc[head, "uniform_multiple"] == pytest.approx(multiple)
+    # importance (0.65, 0.425, 0.4875) orders heads 1 and 2 as the last block does not weigh them
+    assert mass.loc[1, "importance"] > mass.loc[1, "first"]
+    for threshold in (0.3, 0.42, 0.5, 0.8, 1.0, 2.0, 2.3):
+        classes = per_head(frame_statistics(ds, sink_threshold=threshold))
+        classes = classes[classes["measure"] == "prob_mass"]
+        sinks = set(classes.loc[classes["head_class"] == "sink", "head"])
+        assert sinks == {h for h, m in multiples.items() if m >= threshold}, threshold
+        rates = sink_rates(classes, threshold=threshold)
+        assert rates["sink_heads"].tolist() == [len(sinks)], threshold
 
 
 def _class_dataset() -> xr.Dataset:
@@ -683,26 +786,34 @@ def _class_dataset() -> xr.Dataset:
 
 def test_importance_head_class_and_sink_rate_by_hand():
     ds = _class_dataset()
-    table = frame_statistics(ds, sink_threshold=0.3, recent_threshold=0.5)
+    table = frame_statistics(ds, sink_threshold=2.0, recent_threshold=0.5)
     mass = per_head(table[table.measure == "prob_mass"]).set_index("head")
-    # importance: mean mass on frame 0 over the 4 query frames that see it.
+    # importance: mean mass on frame 0 over the 4 query frames that see it (reported, no rule).
     assert mass.loc[0, "importance"] == pytest.approx((1.0 + 0.5 + 0.6 + 0.5) / 4)
     assert mass.loc[1, "importance"] == pytest.approx((1.0 + 0.5 + 0.1 + 0.1) / 4)
     assert mass.loc[2, "importance"] == pytest.approx((1.0 + 0.5 + 0.25 + 0.2) / 4)
-    # Last block: head 0 first 0.55 -> sink; head 1 first 0.1, own block 0.8 -> recent;
-    # head 2 first 0.225, own block 0.5 -> recent at 0.5, spread at 0.6.
+    # Last block (4 visible frames, uniform share 0.25): head 0 first 0.55 = 2.2x -> sink at 2;
+    # head 1 first 0.1, own block 0.8 -> recent; head 2 first 0.225, own block 0.5 -> recent at
+    # 0.5, spread at 0.6.
     assert list(mass["head_class"]) == ["sink", "recent", "recent"]
-    stricter = frame_statistics(ds, recent_threshold=0.6)
+    stricter = frame_statistics(ds, sink_threshold=2.0, recent_threshold=0.6)
     assert list(stricter[stricter.measure == "prob_mass"]["head_class"]) == [
         "sink",
         "recent",
         "spread",
         "",  # the head = mean row has no class
     ]
+    # At the default 3x head 0 (2.2x) is no sink: own block 0.35 -> spread.
+    default = per_head(frame_statistics(ds))
+    assert list(default[default.measure == "prob_mass"]["head_class"]) == [
+        "spread",
+        "recent",
+        "recent",
+    ]
     assert (table[table.measure == "logit_mean"]["head_class"] == "").all()
     assert table[table.measure == "logit_mean"]["importance"].isna().all()
-    rates = sink_rates(table, threshold=0.45)
-    # importances 0.65, 0.425, 0.4875 -> 2 of 3 heads above 0.45.
+    rates = sink_rates(table, threshold=0.8)
+    # multiples 2.2, 0.4, 0.9 -> 2 of 3 heads at 0.8.
     assert rates["sink_heads"].tolist() == [2] and rates["sink_rate"].tolist() == [
         pytest.approx(2 / 3)
     ]
@@ -714,9 +825,10 @@ def test_sink_rates_never_count_the_head_mean_rows(tmp_path):
     expected = sink_rates(per_head(table), threshold=0.45)
     assert expected[["num_heads", "sink_heads"]].values.tolist() == [[3, 2]]
     pd.testing.assert_frame_equal(sink_rates(table, threshold=0.45), expected)
-    # Even with an importance filled in, the mean row is no head.
+    # The mean row has a uniform_multiple (linear in the profile), far above any threshold: it is
+    # no head all the same.
     tampered = table.copy()
-    tampered.loc[tampered["head"] == MEAN_HEAD, "importance"] = 1.0
+    tampered.loc[tampered["head"] == MEAN_HEAD, "uniform_multiple"] = 100.0
     pd.testing.assert_frame_equal(sink_rates(tampered, threshold=0.45), expected)
     # Read back from CSV, where every head is text, as well.
     table.to_csv(tmp_path / "a.csv", index=False)
@@ -754,7 +866,17 @@ def test_summary_writes_sink_rates(tmp_path):
     html = (tmp_path / "summary.html").read_text()
     assert "first_last_diff" in html and "<td>mean</td>" in html  # the head = mean rows too
     rates = pd.read_csv(tmp_path / "sink_rate.csv")
-    # Default threshold 0.3: importances 0.65, 0.425 and 0.4875 all exceed it.
-    assert rates[["num_heads", "sink_heads", "sink_rate"]].values.tolist() == [[3, 3, 1.0]]
+    # Default threshold 3x: the multiples 2.2, 0.4 and 0.9 stay below it.
+    rate_columns = ["sink_heads", "num_heads", "sink_rate", "threshold"]
+    assert list(rates.columns) == [*SINK_RATE_KEYS, *rate_columns]
+    assert rates[["num_heads", "sink_heads", "sink_rate"]].values.tolist() == [[3, 0, 0.0]]
+    # At 2x head 0 is the one sink, in the rate as in head_class.
+    classed = frame_statistics(_class_dataset(), sink_threshold=2.0)
+    classed.to_csv(tmp_path / "b.csv", index=False)
+    write_summary(
+        [tmp_path / "b.csv"], tmp_path / "summary.csv", tmp_path / "rate.csv", sink_threshold=2.0
+    )
+    rates = pd.read_csv(tmp_path / "rate.csv")
+    assert rates[["sink_heads", "threshold"]].values.tolist() == [[1, 2.0]]
     summary = pd.read_csv(tmp_path / "summary.csv", keep_default_na=False, na_values=[""])
     assert summary[summary["aggregate"] == "run"]["head_class"].tolist().count("sink") == 1

@@ -18,11 +18,17 @@ from sinkscope.analysis import figures, stats
 from sinkscope.analysis.plots import render_figures
 from sinkscope.analysis.plots.common import head_label, save_figure
 from sinkscope.analysis.plots.survey import (
+    ENTROPY_LABEL,
     FIRST_FRAME_LABEL,
-    TOKEN_MASS_LABEL,
+    HEAD_CLASS_COLORS,
+    MULTIPLE_LABEL,
+    TOKEN_MULTIPLE_LABEL,
     first_frame_image,
+    plot_survey_entropy,
     plot_survey_first_frame,
     plot_survey_head_class,
+    plot_survey_sink_by_block,
+    plot_survey_sink_checkpoints,
     plot_survey_sink_rate,
     plot_survey_sink_rate_runs,
     plot_survey_spatial,
@@ -190,9 +196,24 @@ def numpy_recent(ds: xr.Dataset) -> np.ndarray:
     return ds["prob_mass"].values[:, :, rows][..., rows].mean(axis=2).sum(axis=-1)
 
 
-def numpy_importance(ds: xr.Dataset) -> np.ndarray:
-    """[step, head] mean mass on frame 0 over every query frame (all see it here)."""
-    return ds["prob_mass"].values[:, :, :, 0].mean(axis=2)
+def numpy_visible(ds: xr.Dataset) -> int:
+    """Key frames the last block's queries see (every head alike here)."""
+    return int(np.isfinite(ds["prob_mass"].values[0, 0, last_rows(ds)[0]]).sum())
+
+
+def numpy_multiple(ds: xr.Dataset) -> np.ndarray:
+    """[step, head] the last block's mass on frame 0 over its uniform share 1 / visible frames."""
+    return numpy_first(ds) * numpy_visible(ds)
+
+
+def numpy_entropy(ds: xr.Dataset) -> np.ndarray:
+    """[step, head] mean entropy of the last block's query frames."""
+    return ds["entropy"].values[:, :, last_rows(ds)].mean(axis=2)
+
+
+def clipped(values: np.ndarray, visible: int) -> np.ndarray:
+    """Multiples as the maps draw them: within 1 / V .. V."""
+    return np.clip(values, 1.0 / visible, visible)
 
 
 def panels(fig) -> list:
@@ -217,13 +238,9 @@ def mesh_values(ax) -> np.ndarray:
 
 def test_survey_file_names_round_trip():
     files = figures.survey_figures("out/c/p", [3, 0, 2, 1], "png")
-    assert [f.path for f in files] == [
-        "out/c/p/survey_first_frame.png",
-        "out/c/p/survey_head_class.png",
-        "out/c/p/survey_sink_rate.png",
-        "out/c/p/survey_spatial.png",
-    ]
-    assert [f.kind.name for f in files] == ["first_frame", "head_class", "sink_rate", "spatial"]
+    names = ["first_frame", "head_class", "sink_rate", "spatial", "sink_by_block", "entropy"]
+    assert [f.path for f in files] == [f"out/c/p/survey_{name}.png" for name in names]
+    assert [f.kind.name for f in files] == names
     assert all(f.layers == (0, 1, 2, 3) and f.kind.scope == "survey" for f in files)
     assert files[0].labels == {"figure": "survey first frame", "layer": "L0–L3"}
     for f in files:
@@ -238,10 +255,15 @@ def test_survey_file_names_round_trip():
     assert not any("survey" in path for path in run + compare)
     assert len(run) == 9 and len(compare) == 3
     # Surveys compared across runs: compare/survey_*, again only with a survey.
-    (across,) = figures.survey_compare_figures("out/compare", [1, 0], "svg")
-    assert across.path == "out/compare/survey_sink_rate_runs.svg"
-    assert across.labels == {"figure": "survey sink rate runs", "layer": "L0, L1"}
-    assert figures.parse_figure_path(across.path) == (across.kind, None, "svg")
+    across = figures.survey_compare_figures("out/compare", [1, 0], "svg")
+    assert [f.path for f in across] == [
+        "out/compare/survey_sink_rate_runs.svg",
+        "out/compare/survey_sink_checkpoints.svg",
+    ]
+    assert across[0].labels == {"figure": "survey sink rate runs", "layer": "L0, L1"}
+    for f in across:
+        assert figures.parse_figure_path(f.path) == (f.kind, None, "svg")
+        assert (REPO / "report" / f.kind.caption).is_file()
     assert figures.survey_compare_figures("out/compare", [], "svg") == []
 
 
@@ -317,41 +339,51 @@ def test_first_frame_reads_at_thirty_layers():
     assert ticks == set(range(30))  # every layer still has a tick
 
 
-@pytest.mark.parametrize(("sink", "recent"), [(0.3, 0.5), (0.15, 0.7)])
-def test_head_class_markers_and_importance(sink, recent):
+@pytest.mark.parametrize(("sink", "recent"), [(3.0, 0.5), (2.0, 0.7)])
+def test_head_class_colours_and_markers_share_the_sink_definition(sink, recent):
+    """The colour of a cell is the last block's first-frame mass over its uniform share, the
+    score the sink marker reads: a circle sits on exactly the cells at or above the threshold
+    (the old figure coloured by Gu et al.'s importance and marked by the unnormalised mass)."""
     _, datasets = make_run(4, num_heads=4)
     fig = plot_survey_head_class(datasets, sink_threshold=sink, recent_threshold=recent)
     maps = panels(fig)
     assert len(maps) == len(TIMESTEPS)
-    first = np.stack([numpy_first(ds) for ds in datasets], axis=1)  # step, layer, head
+    visible = numpy_visible(datasets[0])
+    multiple = np.stack([numpy_multiple(ds) for ds in datasets], axis=1)  # step, layer, head
     recent_mass = np.stack([numpy_recent(ds) for ds in datasets], axis=1)
-    importance = np.stack([numpy_importance(ds) for ds in datasets], axis=1)
     classes_seen = set()
     for step, ax in enumerate(maps):
-        np.testing.assert_allclose(mesh_values(ax), importance[step], rtol=1e-6)
+        colours = mesh_values(ax)
+        np.testing.assert_allclose(colours, clipped(multiple[step], visible), rtol=1e-6)
         markers = {
             collection.get_label(): {(int(y), int(x)) for x, y in collection.get_offsets()}
             for collection in ax.collections
             if isinstance(collection, PathCollection)
         }
-        is_sink = first[step] >= sink
+        is_sink = multiple[step] >= sink
         is_recent = ~is_sink & (recent_mass[step] >= recent)
         assert markers["sink"] == set(zip(*np.nonzero(is_sink), strict=True))
         assert markers["recent"] == set(zip(*np.nonzero(is_recent), strict=True))
+        # Colour and marker agree: circles on the cells at or above the threshold, no others.
+        assert markers["sink"] == set(zip(*np.nonzero(colours >= sink), strict=True))
         classes_seen |= {name for name, cells in markers.items() if cells}
         classes_seen |= {"spread"} if (~is_sink & ~is_recent).any() else set()
     assert classes_seen == {"sink", "recent", "spread"}, "the data must exercise every class"
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == [
-        f"sink: first-frame mass ≥ {sink:g}",
+        f"sink: first-frame mass ≥ {sink:g}× uniform share",
         f"recent: own-block mass ≥ {recent:g}",
         "spread: no marker",
     ]
+    (colorbar,) = [ax for ax in fig.axes if ax not in maps]
+    assert colorbar.get_ylim() == pytest.approx((1 / visible, visible))  # 1 / V .. V, log
+    assert colorbar.get_ylabel() == MULTIPLE_LABEL
+    assert sink in colorbar.get_yticks()  # the threshold is a tick of the colour bar
 
 
-def test_sink_rate_lines_are_the_sink_rates():
+def test_sink_rate_markers_are_the_sink_rates_and_join_no_layers():
     _, datasets = make_run(6, num_heads=5)
-    threshold = 0.2
+    threshold = 2.0
     (ax,) = plot_survey_sink_rate(datasets, sink_threshold=threshold).axes
     table = pd.concat([stats.frame_statistics(ds) for ds in datasets], ignore_index=True)
     rates = stats.sink_rates(table, threshold)
@@ -360,44 +392,68 @@ def test_sink_rate_lines_are_the_sink_rates():
     for step, line in enumerate(ax.lines):
         expected = rates[rates["step"] == step].sort_values("layer")["sink_rate"].to_numpy()
         np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
-        # Independently: the share of each layer's heads whose importance is >= the threshold.
-        shares = [(numpy_importance(ds)[step] >= threshold).mean() for ds in datasets]
+        # Independently: the share of each layer's heads at or above the threshold, the heads the
+        # head class figure circles.
+        shares = [(numpy_multiple(ds)[step] >= threshold).mean() for ds in datasets]
         np.testing.assert_allclose(line.get_ydata(), shares, rtol=1e-12)
-        # x is the 0-based layer, shifted sideways by less than half a layer.
+        # x is the 0-based layer, shifted sideways by less than half a layer; markers only: a
+        # line from one layer's marker to the next crossed the other steps' lines.
         np.testing.assert_array_equal(np.round(line.get_xdata()), np.arange(6))
+        assert line.get_linestyle() == "None" and line.get_marker() not in (None, "None", "")
     assert len({tuple(line.get_xdata()) for line in ax.lines}) == len(ax.lines)
-    assert ax.get_xlabel() == "Layer (0-based)" and f"≥ {threshold:g}" in ax.get_ylabel()
+    assert 0 < np.concatenate([line.get_ydata() for line in ax.lines]).max() < 1
+    assert ax.get_xlabel() == "Layer (0-based)"
+    assert f"≥ {threshold:g}× uniform share" in ax.get_title()
 
 
 @pytest.mark.parametrize("step", [0, 4])
-def test_spatial_panels_are_the_strongest_sinks_in_order(step):
+def test_spatial_panels_are_the_sink_heads_strongest_first(step):
+    """Only heads that pass the sink definition get a panel (the old figure filled its 8 panels
+    with the heads of largest mass, null heads at the uniform share among them), strongest
+    first, each in multiples of a key token's uniform share on one scale from 0."""
     stores, datasets = make_run(4, num_heads=4)
-    fig = plot_survey_spatial(datasets, attention=stores[::-1], step=step, top=5)
+    fig = plot_survey_spatial(datasets, attention=stores[::-1], step=step, top=8)
     maps = panels(fig)
-    first = {
-        (layer, head): numpy_first(ds)[step, head]
+    multiple = {
+        (layer, head): numpy_multiple(ds)[step, head]
         for layer, ds in enumerate(datasets)
         for head in range(4)
     }
-    ranked = sorted(first, key=lambda key: -first[key])[:5]
-    assert ranked[:3] == list(PLANTED)  # strongest first, as planted
+    sinks = sorted((key for key in multiple if multiple[key] >= 3.0), key=lambda k: -multiple[k])
+    assert sinks[:3] == list(PLANTED) and 3 <= len(sinks) < 8  # fewer sinks than panels
     assert [ax.get_title() for ax in maps] == [
-        f"{head_label(*key)} · first frame {first[key]:.2f}" for key in ranked
+        f"{head_label(*key)} · mass {multiple[key] / 9:.2f} ({multiple[key]:.3g}×)" for key in sinks
     ]
+    assert f"all {len(sinks)} sink heads attend" in fig.get_suptitle()
     tokens = GRID[0] * GRID[1]
-    for ax, (layer, head) in zip(maps, ranked, strict=True):
-        store = stores[layer]
+    visible_tokens = numpy_visible(datasets[0]) * tokens
+    for ax, (layer, head) in zip(maps, sinks, strict=True):
         rows = last_rows(datasets[layer])
-        key_mass = store["key_mass"].values[step, head][rows, :tokens]
-        expected = key_mass.mean(axis=0).reshape(GRID)
+        key_mass = stores[layer]["key_mass"].values[step, head][rows, :tokens]
+        expected = key_mass.mean(axis=0).reshape(GRID) * visible_tokens
         np.testing.assert_allclose(mesh_values(ax), expected, rtol=1e-6)
         assert ax.get_ylim() == (GRID[0] - 0.5, -0.5)  # latent row 0 on top
         if (layer, head) in PLANTED:
             assert np.argmax(mesh_values(ax)) == hotspot(layer, head, tokens)
-    # The image of frame 0's tokens sums to the head's mass on frame 0.
-    for ax, key in zip(maps, ranked, strict=True):
-        assert mesh_values(ax).sum() == pytest.approx(first[key], rel=1e-5)
-    assert len([ax for ax in fig.axes if ax not in maps]) == 1  # one shared colorbar
+        # Frame 0's tokens average to the head's first-frame multiple.
+        assert mesh_values(ax).mean() == pytest.approx(multiple[(layer, head)], rel=1e-5)
+    (colorbar,) = [ax for ax in fig.axes if ax not in maps]  # one shared colour scale from 0
+    assert colorbar.get_ylim()[0] == 0.0
+    top = max(mesh_values(ax).max() for ax in maps)
+    assert colorbar.get_ylim()[1] == pytest.approx(top)
+    # Top 2: the two strongest of the sinks, and the title says how many there are.
+    fig = plot_survey_spatial(datasets, attention=stores, step=step, top=2)
+    assert len(panels(fig)) == 2
+    assert f"the 2 strongest of {len(sinks)} sink heads" in fig.get_suptitle()
+
+
+def test_spatial_without_a_sink_says_so():
+    stores, datasets = make_run(2, num_heads=2)
+    multiple = np.stack([numpy_multiple(ds)[0] for ds in datasets])
+    threshold = float(multiple.max()) * 1.01  # just above the strongest head
+    fig = plot_survey_spatial(datasets, attention=stores, sink_threshold=threshold)
+    assert panels(fig) == []
+    assert any("No head is a sink" in text.get_text() for text in fig.texts)
 
 
 def test_first_frame_image_of_a_lazily_opened_store(tmp_path):
@@ -437,17 +493,20 @@ def test_render_survey_figures(tmp_path):
         survey_outputs(out, range(4)),
         heads=[(0, 0)],
         attention_stores=attention,
-        sink_threshold=0.2,
+        sink_threshold=2.0,
         recent_threshold=0.6,
         step=2,
     )
-    names = ["first_frame", "head_class", "sink_rate", "spatial"]
+    names = ["first_frame", "head_class", "sink_rate", "spatial", "sink_by_block", "entropy"]
     assert written == [out / f"survey_{name}.svg" for name in names]
+    rule = "first-frame mass ≥ 2× uniform share"
     wanted = {
         "first_frame": ["step 0 · t=1000", "step 4 · cache pass", "Layer (0-based)", "Head"],
-        "head_class": ["sink: first-frame mass ≥ 0.2", "recent: own-block mass ≥ 0.6"],
-        "sink_rate": ["Sink rate (importance ≥ 0.2)", "Layer (0-based)", "t=833.33", "cache"],
-        "spatial": ["L2H1 · first frame", "step 2 · t=833.33", TOKEN_MASS_LABEL],
+        "head_class": [f"sink: {rule}", "recent: own-block mass ≥ 0.6", MULTIPLE_LABEL],
+        "sink_rate": ["Sink rate (share of heads)", rule, "Layer (0-based)", "t=833.33", "cache"],
+        "spatial": ["L2H1 · mass", "step 2 · t=833.33", TOKEN_MULTIPLE_LABEL, rule],
+        "sink_by_block": ["step 2 · t=833.33", "Query block (0-based)", "sink: ", "≥ 2×"],
+        "entropy": [ENTROPY_LABEL, "step 4 · cache pass", "Layer (0-based)"],
     }
     for name, texts in wanted.items():
         path = out / f"survey_{name}.svg"
@@ -455,15 +514,19 @@ def test_render_survey_figures(tmp_path):
         assert not svg_has_raster(path), f"{path.name} embeds a raster image"
         for text in texts:
             assert any(text in t for t in found), f"{text!r} missing from {path.name}"
-    # The statistics render computes once for the four are each figure's own: each builder,
+    # The statistics render computes once for the six are each figure's own: each builder,
     # computing them itself, draws the same bytes.
     opened = [open_frame_dataset(path) for path in frame_paths]
     stores = [open_attention_store(path, key_tokens=True) for path in attention]
     alone = {
         "first_frame": plot_survey_first_frame(opened),
-        "head_class": plot_survey_head_class(opened, sink_threshold=0.2, recent_threshold=0.6),
-        "sink_rate": plot_survey_sink_rate(opened, sink_threshold=0.2),
-        "spatial": plot_survey_spatial(opened, attention=stores, step=2),
+        "head_class": plot_survey_head_class(opened, sink_threshold=2.0, recent_threshold=0.6),
+        "sink_rate": plot_survey_sink_rate(opened, sink_threshold=2.0),
+        "spatial": plot_survey_spatial(opened, attention=stores, step=2, sink_threshold=2.0),
+        "sink_by_block": plot_survey_sink_by_block(
+            opened, step=2, sink_threshold=2.0, recent_threshold=0.6
+        ),
+        "entropy": plot_survey_entropy(opened),
     }
     for name, fig in alone.items():
         save_figure(fig, tmp_path / f"{name}.svg")
@@ -484,9 +547,13 @@ def test_survey_shows_the_surveyed_layers(tmp_path):
     )
     texts = svg_texts(out / "survey_first_frame.svg")
     assert "2" in texts and "3" not in texts
-    titles = [t.split(" · ")[0] for t in svg_texts(out / "survey_spatial.svg") if " · first" in t]
-    assert titles[0] == "L2H1" and {title[:2] for title in titles} == {"L1", "L2"}
-    assert len(titles) == 4  # every head of the two surveyed layers, fewer than 8
+    titles = [t.split(" · ")[0] for t in svg_texts(out / "survey_spatial.svg") if " · mass" in t]
+    multiple = {
+        (layer, h): numpy_multiple(datasets[layer])[0, h] for layer in (1, 2) for h in (0, 1)
+    }
+    sinks = sorted((key for key in multiple if multiple[key] >= 3.0), key=lambda k: -multiple[k])
+    assert titles == [head_label(*key) for key in sinks]  # the sinks of layers 1 and 2 alone
+    assert titles[0] == "L2H1"
     render_figures(frame_paths, [out / "survey_first_frame.svg"], heads=[(0, 0)])
     assert "3" in svg_texts(out / "survey_first_frame.svg")  # layer 3 on the axis
 
@@ -598,12 +665,12 @@ def test_figures_script_reads_the_named_inputs(tmp_path):
         log=Named([str(tmp_path / "figures.log")]),
         params=Named(
             figures=figures_options,
-            stats={"sink_threshold": 0.05, "recent_threshold": 0.9, "query": "last_block"},
+            stats={"sink_threshold": 1.5, "recent_threshold": 0.9, "query": "last_block"},
         ),
     )
     runpy.run_path(str(REPO / "scripts" / "figures.py"), init_globals={"snakemake": snakemake})
     assert sorted(p.name for p in out.iterdir()) == sorted(Path(p).name for p in outputs)
-    assert any("≥ 0.05" in t for t in svg_texts(out / "survey_head_class.svg"))
+    assert any("≥ 1.5× uniform share" in t for t in svg_texts(out / "survey_head_class.svg"))
     assert any("step 1 · t=937.5" in t for t in svg_texts(out / "survey_spatial.svg"))
     # Run figures need only the frames and figures=.
     snakemake.input = Named(frames=[str(p) for p in frame_paths])
@@ -613,24 +680,38 @@ def test_figures_script_reads_the_named_inputs(tmp_path):
     assert (out / "statistics.svg").is_file()
 
 
-def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
-    runs = [("self_forcing", "cat"), ("self_forcing", "sea"), ("causvid", "cat")]
+def write_runs(tmp_path, runs, num_layers=3):
+    """Attention stores and frame datasets of several surveyed runs, each its own seed (its own
+    random heads); the planted sinks are in every run."""
     stores, frame_paths = [], []
     for i, (checkpoint, prompt) in enumerate(runs):
-        # Each run its own seed: its own random heads, and so its own sink rates.
         run_stores, run_datasets = zip(
             *[
                 make_survey(layer, checkpoint=checkpoint, prompt=prompt, seed=i)
-                for layer in range(3)
+                for layer in range(num_layers)
             ],
             strict=True,
         )
         paths = write_run(tmp_path, run_stores, run_datasets)
         stores += paths[0]
         frame_paths += paths[1]
-    threshold, step = 0.2, 3
+    return stores, frame_paths
+
+
+def of_run(datasets, checkpoint, prompt):
+    return [
+        ds
+        for ds in datasets
+        if (str(ds["checkpoint"].values), str(ds["prompt"].values)) == (checkpoint, prompt)
+    ]
+
+
+def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
+    runs = [("self_forcing", "cat"), ("self_forcing", "sea"), ("causvid", "cat")]
+    stores, frame_paths = write_runs(tmp_path, runs)
+    threshold, step = 2.0, 3
     out = tmp_path / "compare"
-    (path,) = render_figures(
+    paths = render_figures(
         frame_paths,
         [Path(f.path) for f in figures.survey_compare_figures(str(out), range(3), "svg")],
         heads=[(9, 9)],  # compare figures of figures.heads are not drawn: no check of them
@@ -638,23 +719,149 @@ def test_sink_rate_runs_compares_every_surveyed_run(tmp_path):
         sink_threshold=threshold,
         step=step,
     )
-    assert path == out / "survey_sink_rate_runs.svg" and not svg_has_raster(path)
+    path = out / "survey_sink_rate_runs.svg"
+    assert paths == [path, out / "survey_sink_checkpoints.svg"]
+    assert not any(svg_has_raster(p) for p in paths)
     assert "t=625" in " ".join(svg_texts(path))
     datasets = [open_frame_dataset(p) for p in frame_paths]
     fig = plot_survey_sink_rate_runs(datasets, sink_threshold=threshold, step=step)
     (ax,) = fig.axes
     assert [line.get_label() for line in ax.lines] == [f"{c} · {p}" for c, p in runs]
     for line, (checkpoint, prompt) in zip(ax.lines, runs, strict=True):
-        of_run = [
-            ds
-            for ds in datasets
-            if (str(ds["checkpoint"].values), str(ds["prompt"].values)) == (checkpoint, prompt)
-        ]
-        shares = [(numpy_importance(ds)[step] >= threshold).mean() for ds in of_run]
+        run = of_run(datasets, checkpoint, prompt)
+        shares = [(numpy_multiple(ds)[step] >= threshold).mean() for ds in run]
         np.testing.assert_allclose(line.get_ydata(), shares, rtol=1e-12)
         np.testing.assert_array_equal(np.round(line.get_xdata()), np.arange(3))
+        assert line.get_linestyle() == "None"  # markers only: no line joins two layers
     colors = [line.get_color() for line in ax.lines]
     assert colors[0] == colors[1] != colors[2]  # colour: checkpoint
     markers = [line.get_marker() for line in ax.lines]
     assert markers[0] == markers[2] != markers[1]  # marker: prompt
     assert len({tuple(np.round(line.get_ydata(), 6)) for line in ax.lines}) > 1, "runs differ"
+
+
+# --------------------------------------------------------------------------------------------
+# new figures: sink strength over generation time, entropy, the same heads across checkpoints
+
+
+def numpy_first_by_block(ds: xr.Dataset, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """([head, block] mass on frame 0 averaged over each block's query frames, [block] the key
+    frames a block sees: every frame up to its own, block-causal)."""
+    blocks = ds["block"].values
+    mass = ds["prob_mass"].values[step]
+    first = np.stack([mass[:, blocks == b, 0].mean(axis=1) for b in np.unique(blocks)], axis=1)
+    visible = np.array([np.flatnonzero(blocks == b).max() + 1 for b in np.unique(blocks)])
+    return first, visible
+
+
+@pytest.mark.parametrize("step", [0, 3])
+def test_sink_by_block_lines_are_each_blocks_first_frame_mass(step):
+    """Per head, the first-frame mass of each query block from block 1 on (left) and the same
+    over its uniform share (right), against numpy; each head coloured by its last-block class,
+    the threshold drawn, and the sinks named in the legend."""
+    _, datasets = make_run(3, num_heads=3)
+    threshold = 3.0
+    fig = plot_survey_sink_by_block(datasets, step=step, sink_threshold=threshold)
+    mass_ax, multiple_ax = fig.axes
+    expected = {}
+    for layer, ds in enumerate(datasets):
+        first, visible = numpy_first_by_block(ds, step)
+        for head in range(3):
+            expected[(layer, head)] = (first[head, 1:], first[head, 1:] * visible[1:])
+    assert len(mass_ax.lines) == len(expected)
+    table = pd.concat(
+        [stats.per_head(stats.frame_statistics(ds)) for ds in datasets], ignore_index=True
+    )
+    rows = table[(table["measure"] == "prob_mass") & (table["step"] == step)]
+    classes = {(int(r.layer), int(r.head)): r.head_class for r in rows.itertuples()}
+    lines = list(zip(mass_ax.lines, multiple_ax.lines[: len(mass_ax.lines)], strict=True))
+    matched = set()
+    for mass_line, multiple_line in lines:
+        np.testing.assert_array_equal(mass_line.get_xdata(), np.arange(1, 3))  # blocks 1, 2
+        key = next(
+            k
+            for k, (mass, _) in expected.items()
+            if np.allclose(mass_line.get_ydata(), mass, rtol=1e-6)
+        )
+        np.testing.assert_allclose(multiple_line.get_ydata(), expected[key][1], rtol=1e-6)
+        assert mass_line.get_color() == HEAD_CLASS_COLORS[classes[key]]
+        matched.add(key)
+    assert matched == set(expected)
+    assert threshold in [line.get_ydata()[0] for line in multiple_ax.lines[len(lines) :]]
+    assert multiple_ax.get_yscale() == "log"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    sinks = sorted(key for key, name in classes.items() if name == "sink")
+    assert legend[0] == "sink: " + ", ".join(head_label(*key) for key in sinks)
+    assert (2, 1) in sinks  # the planted sink among 3 layers x 3 heads
+
+
+def test_first_frame_by_block_is_the_each_block_statistics():
+    _, datasets = make_run(2, num_heads=3)
+    for ds in datasets:
+        table = stats.per_head(stats.frame_statistics(ds, "each_block"))
+        for step in (0, 4):
+            mine = stats.first_frame_by_block(ds, step).set_index(["head", "query"])
+            rows = table[(table["measure"] == "prob_mass") & (table["step"] == step)]
+            rows = rows.set_index(["head", "query"]).loc[mine.index]
+            for column in ("first", "uniform_multiple"):
+                np.testing.assert_allclose(
+                    mine[column].to_numpy(dtype=float),
+                    rows[column].to_numpy(dtype=float),
+                    rtol=1e-12,
+                )
+
+
+def test_entropy_cells_are_the_last_blocks_entropy():
+    _, datasets = make_run(4, num_heads=4)
+    fig = plot_survey_entropy(datasets)
+    maps = panels(fig)
+    assert len(maps) == len(TIMESTEPS)
+    for step, ax in enumerate(maps):
+        expected = np.stack([numpy_entropy(ds)[step] for ds in datasets])
+        np.testing.assert_allclose(mesh_values(ax), expected, rtol=1e-6)
+    (colorbar,) = [ax for ax in fig.axes if ax not in maps]
+    assert colorbar.get_ylabel() == ENTROPY_LABEL
+    # From 0 to the entropy of uniform attention over the last block's 9 frames x 12 tokens.
+    assert colorbar.get_ylim() == pytest.approx((0.0, np.log(9 * GRID[0] * GRID[1])))
+    assert "entropy" in fig.get_suptitle()
+
+
+def test_sink_checkpoints_puts_each_checkpoints_heads_side_by_side(tmp_path):
+    """One layer x head panel per checkpoint of the median over its prompts of the last block's
+    first-frame multiple; a circle where the head is a sink in every prompt, a dot in some."""
+    runs = [("self_forcing", "cat"), ("self_forcing", "sea"), ("causvid", "cat")]
+    _, frame_paths = write_runs(tmp_path, runs, num_layers=4)
+    datasets = [open_frame_dataset(p) for p in frame_paths]
+    threshold, step = 3.0, 1
+    fig = plot_survey_sink_checkpoints(datasets, sink_threshold=threshold, step=step)
+    maps = panels(fig)
+    assert [ax.get_title() for ax in maps] == [
+        "self_forcing (median of 2 prompts)",
+        "causvid (1 prompt)",
+    ]
+    visible = numpy_visible(datasets[0])
+    seen_some = False
+    for ax, checkpoint in zip(maps, ("self_forcing", "causvid"), strict=True):
+        prompts = [prompt for c, prompt in runs if c == checkpoint]
+        multiples = np.stack(
+            [
+                np.stack([numpy_multiple(ds)[step] for ds in of_run(datasets, checkpoint, p)])
+                for p in prompts
+            ]
+        )  # prompt, layer, head
+        np.testing.assert_allclose(
+            mesh_values(ax), clipped(np.median(multiples, axis=0), visible), rtol=1e-6
+        )
+        markers = {
+            c.get_label(): {(int(y), int(x)) for x, y in c.get_offsets()}
+            for c in ax.collections
+            if isinstance(c, PathCollection)
+        }
+        sinks = (multiples >= threshold).sum(axis=0)
+        every = set(zip(*np.nonzero(sinks == len(prompts)), strict=True))
+        some = set(zip(*np.nonzero((sinks > 0) & (sinks < len(prompts))), strict=True))
+        assert markers["every prompt"] == every and markers["some prompts"] == some
+        assert set(PLANTED) <= every  # the planted sinks are sinks in every run
+        seen_some |= bool(some)
+    assert seen_some, "the data must exercise a head that is a sink in some prompts only"
+    assert "step 1" in fig.get_suptitle()

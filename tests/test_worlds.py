@@ -66,22 +66,44 @@ PLOTS = PACKAGE / "analysis" / "plots"
 FAMILIES = ("run", "compare", "survey", "policy", "closed_loop", "video")
 
 
+# A family's helper modules, `<family>_<part>.py` (its data side, a drawing part two of its
+# figures share), split off so that the family module stays readable at one sitting.
+HELPER_MODULES = {"survey": ("survey_data",), "run": ("run_data", "run_profile")}
+
+
 def test_the_plot_families_are_the_registrys():
     assert set(figures.FAMILIES) == set(FAMILIES)
     modules = {path.stem for path in PLOTS.glob("*.py")}
-    assert modules == {*FAMILIES, "common", "render", "__init__"}
+    helpers = {name for names in HELPER_MODULES.values() for name in names}
+    assert modules == {*FAMILIES, *helpers, "common", "render", "__init__"}
+
+
+def _plots_imports(path):
+    return {name for name in imported_modules(path) if name.startswith("sinkscope.analysis.plots")}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_figure_family_imports_the_helpers_never_another_family(family):
     """A family module (sinkscope/analysis/plots/<family>.py) draws with the shared helpers
-    (`plots.common`) and `analysis.stats`; it never reaches into another family, the renderer or
-    the package itself, so each family can be read and changed on its own."""
+    (`plots.common`), its own data module if it has one, and `analysis.stats`; it never reaches
+    into another family, the renderer or the package itself, so each family can be read and
+    changed on its own."""
     common = "sinkscope.analysis.plots.common"
-    imported = imported_modules(PLOTS / f"{family}.py")
-    plots = {name for name in imported if name.startswith("sinkscope.analysis.plots")}
+    own = {common} | {f"sinkscope.analysis.plots.{name}" for name in HELPER_MODULES.get(family, ())}
+    plots = _plots_imports(PLOTS / f"{family}.py")
     assert common in plots
-    assert all(name == common or name.startswith(f"{common}.") for name in plots), plots
+    assert all(any(name == m or name.startswith(f"{m}.") for m in own) for name in plots), plots
+
+
+@pytest.mark.parametrize(
+    ("family", "helper"), [(f, h) for f, names in HELPER_MODULES.items() for h in names]
+)
+def test_a_family_helper_imports_the_helpers_and_its_family_s_other_helpers(family, helper):
+    """Never a family module: the family imports its helpers, not the other way round."""
+    allowed = {"common", *HELPER_MODULES[family]} - {helper}
+    allowed = {f"sinkscope.analysis.plots.{name}" for name in allowed}
+    plots = _plots_imports(PLOTS / f"{helper}.py")
+    assert all(any(name == m or name.startswith(f"{m}.") for m in allowed) for name in plots), plots
 
 
 def test_the_helpers_import_no_family():

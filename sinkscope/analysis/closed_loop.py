@@ -14,7 +14,9 @@ that keep sinks (`sink_window`, `deep_sink`, `participative`, `deep_forcing`), `
 for those that keep recent frames before the own block (`participative`, `deep_forcing`,
 `top_c`), each 0 otherwise; `capacity` is the frames the cache holds before it drops any: B, or
 Participative Compression's cache; `jitter` and `bias` are head_jitter's strength and
-logit_bias's b (0 and 1 for the other policies). Any policy of
+logit_bias's b (0 and 1 for the other policies). The full cache (`full`) keeps every frame: its
+`budget` and `capacity` are empty (`FULL_EMPTY`; NA once read, so group its rows with
+`run_groups` and pick them with `run_rows`, which keep it), its S and R 0. Any policy of
 `sinkscope.cache_choices.CLOSED_LOOP_POLICIES` is read.
 
 The summary (`closed_loop_summary`) has one row per rollout (`RUN_KEYS`) but `full`'s (the
@@ -42,12 +44,19 @@ reference has no deviation of its own: its table gives no row), frames and block
   `recall_rows` 0.
 Without a reference (`rel_l2` and `cosine` empty) the deviation columns are NaN; `frames`,
 `evicting_from` and the recall stay.
+
+What the closed-loop figures read of these tables lives here too, free of matplotlib: a rollout's
+policy key (`policy_key`, `policy_keys`, `policy_rows`), the runs and their shortest names
+(`closed_loop_runs`, `run_names`), the spread of a deviation over a checkpoint's prompts
+(`deviation_spread`), what a deviation panel's reference lines mark (`reference_marks`) and the
+note on the rollouts a figure leaves out (`left_out_note`).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -57,7 +66,7 @@ from sinkscope import cache_choices
 from sinkscope.analysis.policies import read_policies
 from sinkscope.cache_choices import policy_label
 from sinkscope.frames import evicting_frame
-from sinkscope.storage import write_text_atomically
+from sinkscope.storage import write_csv
 from sinkscope.tables import CLOSED_LOOP_RUN_KEYS, DEVIATION_COLUMNS, FRAME_TABLE_COLUMNS
 
 # A closed-loop rollout: the rows of one deviation table, and of one summary row.
@@ -90,6 +99,183 @@ _FLOATS = ["rel_l2", "cosine", "sink_distance"]  # empty: NaN
 # What the recall tables must hold for the summary.
 _RECALL_COLUMNS = [*RUN_KEYS[:7], "visible_frames", "recall"]
 FULL = "full"  # the full cache's rollout: the reference, no summary row
+# The run keys the full cache leaves empty: it keeps every frame, so it has no budget B and no
+# capacity (a 0 would read as a cache of nothing).
+FULL_EMPTY = ("budget", "capacity")
+
+
+def _empty(value) -> bool:
+    return value is None or (not isinstance(value, str) and bool(pd.isna(value)))
+
+
+def run_key(values: Iterable) -> tuple:
+    """Run-key values (`RUN_KEYS`, or a tail of them) as a key that hashes and compares alike
+    wherever it comes from: an empty value (the full cache's budget and capacity: NA, NaN) is
+    None, numpy scalars plain Python ones."""
+    return tuple(None if _empty(v) else (v.item() if hasattr(v, "item") else v) for v in values)
+
+
+def run_groups(
+    table: pd.DataFrame, keys: Sequence[str] = RUN_KEYS
+) -> Iterable[tuple[tuple, pd.DataFrame]]:
+    """(`run_key`, rows) of every rollout of `table` (grouped by `keys`, in the order they first
+    appear), the full cache's included: pandas' groupby drops a group whose key is empty unless
+    told not to."""
+    for key, rows in table.groupby(list(keys), sort=False, dropna=False):
+        yield run_key(key), rows
+
+
+def run_rows(table: pd.DataFrame, key: Sequence, keys: Sequence[str] = RUN_KEYS) -> np.ndarray:
+    """The boolean mask of the rows of `table` whose `keys` hold `key` (a `run_key`): None
+    matches an empty cell (the full cache's budget and capacity)."""
+    mask = np.ones(len(table), dtype=bool)
+    for column, value in zip(keys, key, strict=True):
+        cells = table[column]
+        if _empty(value):
+            mask &= cells.isna().to_numpy(dtype=bool)
+        else:
+            mask &= (cells == value).fillna(False).to_numpy(dtype=bool)
+    return mask
+
+
+def run_sort_key(key: Sequence) -> tuple:
+    """The order of rollouts (`run_key`s of `RUN_KEYS`): run, policy as `policy_order`, then the
+    numbers, an empty one first."""
+    numbers = tuple(-1 if value is None else value for value in key[3:])
+    return (str(key[0]), str(key[1]), policy_order(str(key[2])), *numbers)
+
+
+def typed_run_keys(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with `FULL_EMPTY` as nullable integers (the full cache's empty, as the tables
+    write them), the other counts of the run keys as they are."""
+    for column in FULL_EMPTY:
+        if column in table:
+            table[column] = pd.to_numeric(table[column].astype(object), errors="raise")
+            table[column] = table[column].astype("Int64")
+    return table
+
+
+POLICY_KEYS = RUN_KEYS[2:]  # what tells the policies of one run apart
+
+
+def policy_key(policy, budget, sink, recent, capacity, jitter, bias) -> tuple:
+    """(policy, budget, sink_frames, recent_frames, capacity, jitter, bias), typed; an empty
+    count (the full cache's budget and capacity) None."""
+    counts = (None if _empty(value) else int(value) for value in (budget, sink, recent, capacity))
+    return (str(policy), *counts, float(jitter), float(bias))
+
+
+def policy_keys(table: pd.DataFrame) -> list[tuple]:
+    """`policy_key` of every closed-loop policy of `table`, in the order of
+    `closed_loop_policies()` (full, window, sink_window, deep_sink, participative, deep_forcing,
+    top_c, then the newer ones), then by budget, S, R, capacity, jitter and bias."""
+    keys = {policy_key(*values) for values in table[POLICY_KEYS].itertuples(index=False)}
+    return sorted(keys, key=lambda key: run_sort_key(("", "", *key))[2:])
+
+
+def policy_rows(table: pd.DataFrame, key: Sequence) -> pd.DataFrame:
+    """The rows of one closed-loop policy (a `policy_key`) in `table`."""
+    return table[run_rows(table, key, POLICY_KEYS)]
+
+
+def run_names(runs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """The shortest name that tells the (checkpoint, prompt) runs apart: the prompt when the
+    checkpoint is always the same, the checkpoint when the prompt is, else both."""
+    if len({c for c, _ in runs}) == 1:
+        return {run: run[1] for run in runs}
+    if len({p for _, p in runs}) == 1:
+        return {run: run[0] for run in runs}
+    return {run: f"{run[0]} · {run[1]}" for run in runs}
+
+
+def closed_loop_runs(table: pd.DataFrame, what: str) -> list[tuple[str, str]]:
+    """The (checkpoint, prompt) runs of a closed-loop table (`what` in the message), sorted;
+    refuses one without rows."""
+    if table.empty:
+        raise ValueError(f"the closed-loop {what} has no rows")
+    pairs = zip(table["checkpoint"], table["prompt"], strict=True)
+    return sorted({(str(checkpoint), str(prompt)) for checkpoint, prompt in pairs})
+
+
+def reference_marks(
+    evictions: dict[int, int], train_frames: int | None, last: int
+) -> dict[int, str]:
+    """frame -> what the reference lines of a deviation panel at that frame mark: `capacity C`
+    at the first eviction of each capacity C (`evictions`: capacity -> frame; `capacity 4, 5`
+    where two first evict at one frame), `training length` at `train_frames` (within frames
+    0 .. `last`); both at one frame joined, `capacity 21 · training length`."""
+    marks: dict[int, list[str]] = {}
+    by_frame: dict[int, list[int]] = {}
+    for capacity, start in sorted(evictions.items()):
+        by_frame.setdefault(int(start), []).append(int(capacity))
+    for frame, capacities in by_frame.items():
+        marks[frame] = ["capacity " + ", ".join(map(str, capacities))]
+    if train_frames is not None and 0 <= train_frames <= last + 0.5:
+        marks.setdefault(int(train_frames), []).append("training length")
+    return {frame: " · ".join(names) for frame, names in marks.items()}
+
+
+def spans_decades(values, decades: float = 1.0) -> bool:
+    """True when the positive finite `values` span more than `decades` decades (where the
+    closed-loop figures draw a log axis)."""
+    values = np.asarray(values, dtype=float)
+    positive = values[np.isfinite(values) & (values > 0)]
+    return positive.size > 1 and bool(np.log10(positive.max() / positive.min()) > decades)
+
+
+def deviation_spread(summary: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Per closed-loop policy (`key`, in `policy_keys` order) and checkpoint of `summary`: the
+    finite values of `column` over its runs (`values`, one per prompt), their `mean`, sample
+    standard deviation `std` (NaN for fewer than two) and `count`; none where no run has one."""
+    rows = []
+    for key in policy_keys(summary):
+        for checkpoint, runs in policy_rows(summary, key).groupby("checkpoint", sort=True):
+            values = runs[column].to_numpy(dtype=float)
+            values = values[np.isfinite(values)]
+            if values.size:
+                std = float(np.std(values, ddof=1)) if values.size > 1 else math.nan
+                rows.append((key, str(checkpoint), values, float(values.mean()), std, values.size))
+    return pd.DataFrame(rows, columns=["key", "checkpoint", "values", "mean", "std", "count"])
+
+
+def left_out_note(
+    rows: pd.DataFrame,
+    keys: Sequence[tuple],
+    names: dict[tuple[str, str], str],
+    width: int = 70,
+    items: int = 8,
+) -> str:
+    """'Not drawn, no offline recall: top_c B=9 R=3 (cat, sea); never evicts: window B=42.',
+    the summary `rows` a figure leaves out (their `rel_l2_mean` NaN: never evicts; else no
+    offline recall), the runs named (`names`) when there are several, at most `items` policies
+    (the rest counted), wrapped at `width` characters."""
+    reasons: dict[str, dict[tuple, list[str]]] = {"no offline recall": {}, "never evicts": {}}
+    for row in rows.itertuples(index=False):
+        key = policy_key(*(getattr(row, column) for column in POLICY_KEYS))
+        why = "never evicts" if not np.isfinite(row.rel_l2_mean) else "no offline recall"
+        name = names[(str(row.checkpoint), str(row.prompt))].replace(" ", "\N{NO-BREAK SPACE}")
+        reasons[why].setdefault(key, []).append(name)  # a run's name stays on one line
+    parts, shown, hidden = [], 0, 0
+    for why, by_key in reasons.items():
+        listed = []
+        for key in [key for key in keys if key in by_key]:
+            if shown >= items:
+                hidden += 1
+                continue
+            shown += 1
+            runs = by_key[key]
+            if len(names) == 1:  # the title names the run
+                where = ""
+            elif len(runs) == len(names):
+                where = " (every run)"
+            else:
+                where = f" ({', '.join(runs)})"
+            listed.append(f"{rollout_label(*key)}{where}")
+        if listed:
+            parts.append(f"{why}: {', '.join(listed)}")
+    text = "Not drawn, " + "; ".join(parts)
+    text += f"; and {hidden} more (see the summary table)." if hidden else "."
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def closed_loop_policies() -> tuple[str, ...]:
@@ -156,10 +342,11 @@ def read_run_table(
     optional: Sequence[str] = (),
 ) -> pd.DataFrame:
     """One CSV of a closed-loop rollout's (`columns`, what the file is called in messages): text
-    stays text, `integers` whole numbers, `RUN_FLOATS` numbers, `floats` numbers or empty (NaN),
-    the policy one of `closed_loop_policies()`, with a `source` column (the file). Refuses,
-    naming the file, a table that is empty, lacks a column or holds something else. `optional`:
-    columns kept as they are where the file has them."""
+    stays text, `integers` whole numbers (those of `FULL_EMPTY` nullable: empty on the full
+    cache's rows), `RUN_FLOATS` numbers, `floats` numbers or empty (NaN), the policy one of
+    `closed_loop_policies()`, with a `source` column (the file). Refuses, naming the file, a table
+    that is empty, lacks a column or holds something else (an empty budget or capacity but the
+    full cache's). `optional`: columns kept as they are where the file has them."""
     try:
         table = pd.read_csv(
             path,
@@ -176,13 +363,22 @@ def read_run_table(
         raise ValueError(f"{path}: the {what} has no rows")
     # read_csv gives a column of whole numbers int64 and one of numbers (or empty) float64: those
     # need no checks, only the others (a table's columns are mostly the former).
+    full = (table["policy"] == FULL).to_numpy(dtype=bool)
     for column in integers:
+        nullable = column in FULL_EMPTY
         if table[column].dtype == np.int64:
+            if nullable:
+                table[column] = table[column].astype("Int64")
             continue
         values = pd.to_numeric(table[column], errors="coerce")
-        if values.isna().any() or (values != np.round(values)).any():
+        empty = values.isna().to_numpy(dtype=bool)
+        if nullable and (empty & ~full).any():
+            raise ValueError(
+                f"{path}: column {column} must hold whole numbers (empty only for the full cache)"
+            )
+        if (not nullable and empty.any()) or (values[~empty] != np.round(values[~empty])).any():
             raise ValueError(f"{path}: column {column} must hold whole numbers")
-        table[column] = values.astype(np.int64)
+        table[column] = values.astype("Int64" if nullable else np.int64)
     for column in RUN_FLOATS:
         if table[column].dtype == np.float64 and not table[column].isna().any():
             continue
@@ -277,7 +473,7 @@ def closed_loop_summary(
     if missing:
         raise ValueError(f"the recall tables lack the columns {missing}")
     rows = []
-    for key, run in deviation.groupby(RUN_KEYS, sort=False):
+    for key, run in run_groups(deviation):
         checkpoint, prompt, policy, budget, sink, recent, capacity, jitter, bias = key
         if policy == FULL:
             continue
@@ -366,5 +562,5 @@ def write_closed_loop_summary(
         tables.append(read_policies(policy_path))
     recall = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
     summary = closed_loop_summary(deviation, recall, train_frames)
-    write_text_atomically(path, summary.to_csv(index=False))
+    write_csv(path, summary)
     return summary

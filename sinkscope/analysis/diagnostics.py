@@ -8,9 +8,10 @@ job writes per rollout, its full cache's included, with or without a full-cache 
   query block its first frame, frames, the temporal RoPE position of its first query frame (the
   others follow it) and that of the first sink frame (frame 0) as the cache holds it;
 - the attention stores over cache slots `{policy}/layer{L}.zarr` (Contract 4, one per captured
-  layer; `store_sink_mass`): the mass of each (pass, head, query frame) on the sink frames, the
-  nansum of `key_mass` over the slots whose `slot_frame` is a sink frame, read one pass and a
-  bounded run of query frames at a time (a 1,101-frame store never loads whole).
+  layer; `store_sink_mass`): the mass of each (pass, head, query frame) on the first frame
+  (`SINK_SHARE_FRAMES`), the nansum of `key_mass` over the slots whose `slot_frame` is 0, and
+  that frame's uniform share of the frames held, read one pass and a bounded run of query frames
+  at a time (a 1,101-frame store never loads whole).
 
 A store belongs to the rollout whose folder holds it: `X/{policy}/layer{L}.zarr` to the tables
 `X/{policy}.csv` and `X/{policy}.blocks.csv`. The sink frames are the first S =
@@ -22,11 +23,14 @@ Per (rollout, block) and, where stores were captured, per (layer, captured pass)
 - `sink_distance`: the lowest `sink_distance` of the block's frames;
 - `phase_concentration` (`sinkscope.diagnostics.phase_concentration`): of the block's query
   positions query_position .. query_position + frames - 1 against sink_position;
-- `sink_share` (LoL's diagnostic 2): the share of the layer's heads whose sink mass, averaged over
-  the block's query frames, is at least the statistics' sink threshold (`stats.is_sink`,
-  `stats.sink_threshold`); NaN where the pass did not capture the block (no slot seen), on the
-  first block (it sees only its own frames, which hold the sinks: every head would count) and
-  on the rows of a rollout without stores (`layer`, `step`, `timestep`, `pass_kind` empty).
+- `sink_share` (LoL's diagnostic 2): the share of the layer's heads that are sinks by the
+  statistics' one definition (`stats.is_sink` at `stats.sink_threshold`): whose mass on the
+  first frame (frame 0, `SINK_SHARE_FRAMES`), averaged over the block's query frames, is at
+  least the threshold times its uniform share (1 / the frames the query holds,
+  `sink_frame_share`; a head whose cache no longer holds frame 0 is no sink); NaN where the
+  pass did not capture the block (no slot seen), on the first block (it sees only its own
+  frames, frame 0 among them) and on the rows of a rollout without stores (`layer`, `step`,
+  `timestep`, `pass_kind` empty).
 """
 
 from __future__ import annotations
@@ -40,18 +44,30 @@ import numpy as np
 import pandas as pd
 import zarr
 
-from sinkscope.analysis.closed_loop import RUN_KEYS, policy_order, read_deviation, read_run_table
+from sinkscope.analysis.closed_loop import (
+    RUN_KEYS,
+    read_deviation,
+    read_run_table,
+    run_groups,
+    run_rows,
+    run_sort_key,
+    typed_run_keys,
+)
 from sinkscope.analysis.slots import is_slot_store
-from sinkscope.analysis.stats import is_sink
+from sinkscope.analysis.stats import SINK_THRESHOLD, is_sink
 from sinkscope.analysis.stores import open_attention_store, read_region
 from sinkscope.diagnostics import HEAD_DIM, phase_concentration
-from sinkscope.storage import write_text_atomically
+from sinkscope.storage import write_csv
 from sinkscope.tables import BLOCK_DIAGNOSTIC_COLUMNS, BLOCK_POSITION_COLUMNS
 
 BLOCKS_SUFFIX = ".blocks.csv"  # {policy}.blocks.csv beside the rollout's {policy}.csv
 _BLOCK_INTEGERS = ["budget", "sink_frames", "recent_frames", "capacity"]
 _BLOCK_INTEGERS += ["block", "first_frame", "frames", "query_position", "sink_position"]
 _READ_BYTES = 64 << 20  # key_mass and slot_frame bytes read at once from a store
+# The sink share reads the first frame alone, as the statistics' sink definition does: with S
+# sink frames the mass on them could reach at most V / S times their share (3 of the 9 frames of
+# the demo's sink_window: 3x, the default threshold, even with all of a head's mass on them).
+SINK_SHARE_FRAMES = 1
 
 
 def rollout_folder(path: str | os.PathLike) -> Path:
@@ -85,7 +101,7 @@ def read_block_tables(paths: Iterable[str | os.PathLike] | str | os.PathLike) ->
         if segment.isna().any() or (segment != np.round(segment)).any() or (segment < 0).any():
             raise ValueError(f"{path}: column segment must hold whole numbers >= 0")
         table["segment"] = segment.astype(np.int64)
-        for _, run in table.groupby(RUN_KEYS, sort=False):
+        for _, run in run_groups(table):
             run = run.sort_values("block")
             if run["block"].duplicated().any():
                 raise ValueError(f"{path}: a block of one rollout appears twice")
@@ -113,12 +129,29 @@ def sink_frame_count(sink_frames: int, first_block_frames: int) -> int:
 class SinkMass:
     """The mass on the sink frames of one store: `mass` float64 [step, head, query_frame] (NaN
     where the pass saw no slot for that query frame), with each step's `timestep` and
-    `pass_kind`, and the store's `layer`."""
+    `pass_kind`, and the store's `layer`; `share` [step, head, query_frame]: the sink frames'
+    uniform share of what the query frame saw (`sink_frame_share`; NaN where it saw nothing)."""
 
     layer: int
     mass: np.ndarray
     timestep: np.ndarray
     pass_kind: np.ndarray
+    share: np.ndarray | None = None
+
+
+def sink_frame_share(owner: np.ndarray, sink_frames: int) -> np.ndarray:
+    """[...]: the uniform share of the sink frames 0 .. sink_frames - 1 among the key frames of
+    `owner` [..., slot] (each slot's frame, -1 empty): the distinct sink frames held over the
+    distinct frames held (every frame has the same number of tokens), as the statistics'
+    1 / visible frames for one sink frame; NaN where no slot is held."""
+    frames = np.sort(np.where(owner >= 0, owner, -1), axis=-1)
+    new = np.ones(frames.shape, dtype=bool)
+    new[..., 1:] = frames[..., 1:] != frames[..., :-1]
+    distinct = new & (frames >= 0)
+    held = distinct.sum(axis=-1)
+    sinks = (distinct & (frames < sink_frames)).sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(held > 0, sinks / held, np.nan)
 
 
 def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
@@ -139,6 +172,7 @@ def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
     per_frame = heads * slots * (key_mass.dtype.itemsize + slot_frame.dtype.itemsize)
     run = chunk * max(1, _READ_BYTES // max(per_frame * chunk, 1))  # whole chunks
     mass = np.full((steps, heads, frames), np.nan)
+    share = np.full((steps, heads, frames), np.nan)
     for step in range(steps):
         for first in range(0, frames, run):
             rows = slice(first, min(first + run, frames))
@@ -150,7 +184,8 @@ def store_sink_mass(path: str | os.PathLike, sink_frames: int) -> SinkMass:
             sink = (owner >= 0) & (owner < sink_frames) & ~np.isnan(values)
             total = np.where(sink, values, 0.0).sum(axis=-1)
             mass[step, :, rows] = np.where(seen, total, np.nan)
-    return SinkMass(layer, mass, timestep, pass_kind)
+            share[step, :, rows] = sink_frame_share(owner, sink_frames)
+    return SinkMass(layer, mass, timestep, pass_kind, share)
 
 
 def block_sink_shares(
@@ -158,22 +193,27 @@ def block_sink_shares(
     first_frames: Sequence[int],
     frames: Sequence[int],
     sink_threshold: float,
+    share: np.ndarray,
 ) -> np.ndarray:
     """[step, block]: the share of the heads whose sink `mass` [step, head, query_frame], averaged
-    over the block's query frames (first_frames[b] .. + frames[b] - 1), is a sink
-    (`stats.is_sink` at `sink_threshold`); NaN where no head has a value (a block the pass did
-    not capture, or one past the store's frames) and for the first block (first frame 0): it
-    sees nothing but its own frames, so its mass on the sinks says nothing of its heads."""
+    over the block's query frames (first_frames[b] .. + frames[b] - 1), over the sink frames'
+    uniform `share` [step, head, query_frame] averaged alike, is a sink (`stats.is_sink` at
+    `sink_threshold`; a head that sees no sink frame is none); NaN where no head has a value
+    (a block the pass did not capture, or one past the store's frames) and for the first block
+    (first frame 0): it sees nothing but its own frames, so its mass on the sinks says nothing
+    of its heads."""
     steps, _, stored = mass.shape
     shares = np.full((steps, len(first_frames)), np.nan)
     for b, (first, count) in enumerate(zip(first_frames, frames, strict=True)):
         if first + count > stored or first == 0:
             continue
         block = mass[:, :, first : first + count]  # [step, head, frame]
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):
             per_head = block.mean(axis=-1)  # NaN where any frame is not captured
+            uniform = share[:, :, first : first + count].mean(axis=-1)
+            multiple = np.where(uniform > 0, per_head / uniform, 0.0)
         valid = ~np.isnan(per_head)
-        sinks = (is_sink(np.where(valid, per_head, 0.0), sink_threshold) & valid).sum(axis=1)
+        sinks = (is_sink(np.where(valid, multiple, 0.0), sink_threshold) & valid).sum(axis=1)
         counted = valid.sum(axis=1)
         shares[:, b] = np.where(counted > 0, sinks / np.maximum(counted, 1), np.nan)
     return shares
@@ -193,21 +233,14 @@ def block_diagnostics(
 ) -> pd.DataFrame:
     """The rows of `BLOCK_DIAGNOSTIC_COLUMNS` (module docstring) of every rollout of
     `block_table` (`read_block_tables`), with its frames in `frame_table` (`read_deviation`)
-    and the sink masses of its captured layers in `masses` (run keys -> `SinkMass`es computed
-    with `sink_frame_count(sink_frames, its first block's frames)` sink frames). Sorted by run (as
-    the summary), block, layer and step."""
+    and the sink masses of its captured layers in `masses` (run keys -> `SinkMass`es of the
+    first frame, `SINK_SHARE_FRAMES`). Sorted by run (as the summary), block, layer and step."""
     rows = []
-    runs = sorted(
-        block_table.groupby(RUN_KEYS, sort=False),
-        key=lambda item: (*item[0][:2], policy_order(item[0][2]), *item[0][2:]),
-    )
+    runs = sorted(run_groups(block_table), key=lambda item: run_sort_key(item[0]))
     for key, blocks in runs:
         blocks = blocks.sort_values("block")
         source = blocks["source"].iloc[0] if "source" in blocks else "the block table"
-        mask = np.ones(len(frame_table), dtype=bool)
-        for column, value in zip(RUN_KEYS, key, strict=True):
-            mask &= (frame_table[column] == value).to_numpy()
-        frames = frame_table[mask]
+        frames = frame_table[run_rows(frame_table, key)]
         if frames.empty:
             raise ValueError(f"{source}: rollout {_run_text(key)} has no frame table")
         by_block = frames.groupby("block").agg(
@@ -256,7 +289,8 @@ def block_diagnostics(
             rows += [{**row, "pass_kind": "", "sink_share": np.nan} for row in per_block]
             continue
         shares = {
-            m.layer: block_sink_shares(m.mass, first_frames, counts, sink_threshold) for m in stores
+            m.layer: block_sink_shares(m.mass, first_frames, counts, sink_threshold, m.share)
+            for m in stores
         }
         for b, row in enumerate(per_block):
             for m in stores:
@@ -271,7 +305,7 @@ def block_diagnostics(
                             "sink_share": float(shares[m.layer][step, b]),
                         }
                     )
-    table = pd.DataFrame(rows, columns=BLOCK_DIAGNOSTIC_COLUMNS)
+    table = typed_run_keys(pd.DataFrame(rows, columns=BLOCK_DIAGNOSTIC_COLUMNS))
     for column in ("layer", "step"):
         table[column] = table[column].astype("Int64")
     table["pass_kind"] = table["pass_kind"].astype(object)
@@ -300,6 +334,7 @@ def read_block_diagnostics(path: str | os.PathLike) -> pd.DataFrame:
     layer or step stays NA, an empty pass_kind empty text); refuses, naming the file, one that
     lacks a column."""
     table = read_pass_table(path, BLOCK_DIAGNOSTIC_COLUMNS, "closed-loop block table").copy()
+    table = typed_run_keys(table)
     for column in ("layer", "step"):
         table[column] = table[column].astype("Int64")
     return table[BLOCK_DIAGNOSTIC_COLUMNS]
@@ -312,7 +347,7 @@ def write_closed_loop_diagnostics(
     out: str | os.PathLike,
     *,
     sink_frames: int,
-    sink_threshold: float = 0.3,
+    sink_threshold: float = SINK_THRESHOLD,
     head_dim: int = HEAD_DIM,
 ) -> pd.DataFrame:
     """`block_diagnostics` of the closed loop's rollouts, written atomically as CSV to `out`
@@ -323,23 +358,20 @@ def write_closed_loop_diagnostics(
     frames = read_deviation(list(frame_tables))
     blocks = read_block_tables(list(block_tables))
     folders: dict[Path, tuple] = {}
-    for (source, *key), _ in blocks.groupby(["source", *RUN_KEYS], sort=False):
+    for (source, *key), _ in run_groups(blocks, ["source", *RUN_KEYS]):
         folders[rollout_folder(source)] = tuple(key)
-    first_block = {
-        key: int(run.sort_values("block")["frames"].iloc[0])
-        for key, run in blocks.groupby(RUN_KEYS, sort=False)
-    }
+    sink_frame_count(sink_frames, 1)  # checked: the sink share reads frame 0 whatever S is
     masses: dict[tuple, list[SinkMass]] = {}
     for store in stores:
         key = folders.get(rollout_folder(store))
         if key is None:
             raise ValueError(f"attention store {store}: no block-position table of its rollout")
-        mass = store_sink_mass(store, sink_frame_count(sink_frames, first_block[key]))
+        mass = store_sink_mass(store, SINK_SHARE_FRAMES)
         if any(m.layer == mass.layer for m in masses.get(key, [])):
             raise ValueError(f"attention store {store}: layer {mass.layer} is given twice")
         masses.setdefault(key, []).append(mass)
     table = block_diagnostics(
         frames, blocks, masses, sink_threshold=sink_threshold, head_dim=head_dim
     )
-    write_text_atomically(out, table.to_csv(index=False))
+    write_csv(out, table)
     return table

@@ -13,7 +13,8 @@ Families (`FAMILIES`, one module each under `sinkscope/analysis/plots/`): `run` 
 and run figures, Fig. 4 among them), `compare` (across runs), `survey` (the whole-model survey),
 `policy` (KV-cache policy recall), `closed_loop` (rollouts past the cache), `video` (one
 closed-loop run's decoded rollouts beside its diagnostics). Shared drawing helpers live in
-`plots/common.py`; a family module never imports another.
+`plots/common.py`; a family module never imports another (parts of a family may live in
+helper modules `plots/<family>_<part>.py`: `survey_data`, `run_data`, `run_profile`).
 
 Adding a figure to a family touches four files: a `plot_*` function in its family module, an
 entry here, a caption in report/, a test in the family's test module
@@ -92,6 +93,9 @@ class FigureKind:
     caption: str  # file in report/
     scope: str
     layers: str = "captured"
+    # closed_loop kinds: drawn only where closed_loop.runs holds at least this many runs (a
+    # spread across runs needs two)
+    runs: int = 1
 
     def __post_init__(self):
         family, _, function = self.builder.partition(".")
@@ -115,6 +119,8 @@ class FigureKind:
                 f"figure {self.name}: closed-loop and video figures, and only they, show the "
                 "whole model"
             )
+        if self.runs < 1 or (self.runs > 1 and self.scope != "closed_loop"):
+            raise ValueError(f"figure {self.name}: runs {self.runs} (closed-loop kinds only)")
         for prefix in (SURVEY_PREFIX, POLICY_PREFIX, CLOSED_LOOP_PREFIX, VIDEO_PREFIX):
             if self.name.startswith(prefix):
                 raise ValueError(f"figure {self.name}: {prefix} is the file prefix of some kinds")
@@ -195,9 +201,26 @@ FIGURES = {
             "spatial", "survey.plot_survey_spatial", "survey_spatial.rst", "survey", "surveyed"
         ),
         FigureKind(
+            "sink_by_block",
+            "survey.plot_survey_sink_by_block",
+            "survey_sink_by_block.rst",
+            "survey",
+            "surveyed",
+        ),
+        FigureKind(
+            "entropy", "survey.plot_survey_entropy", "survey_entropy.rst", "survey", "surveyed"
+        ),
+        FigureKind(
             "sink_rate_runs",
             "survey.plot_survey_sink_rate_runs",
             "survey_sink_rate_runs.rst",
+            "compare",
+            "surveyed",
+        ),
+        FigureKind(
+            "sink_checkpoints",
+            "survey.plot_survey_sink_checkpoints",
+            "survey_sink_checkpoints.rst",
             "compare",
             "surveyed",
         ),
@@ -233,6 +256,14 @@ FIGURES = {
             "closed_loop_switches.rst",
             "closed_loop",
             "model",
+        ),
+        FigureKind(
+            "deviation_runs",
+            "closed_loop.plot_closed_loop_deviation_runs",
+            "closed_loop_deviation_runs.rst",
+            "closed_loop",
+            "model",
+            runs=2,
         ),
         FigureKind("strip", "video.plot_video_strip", "video_strip.rst", "video", "model"),
         FigureKind(
@@ -339,16 +370,17 @@ def policy_figures(folder: str, layers: Sequence[int], fmt: str) -> list[FigureF
     return _layer_set_files(folder, layers, fmt, lambda kind: kind.scope == "policies")
 
 
-def closed_loop_figures(folder: str, fmt: str) -> list[FigureFile]:
+def closed_loop_figures(folder: str, fmt: str, runs: int = 1) -> list[FigureFile]:
     """Every closed-loop figure in `folder` (e.g. results/figures/closed_loop), in registry order:
     `{folder}/closed_loop_{kind}.{fmt}`, drawn from the frame tables of every closed-loop
     rollout, their summary and block table (Contract 6); no layers picked (label `layer`:
-    all)."""
+    all). `runs`: the runs of closed_loop.runs; a kind that needs more (`FigureKind.runs`, the
+    spread across runs) is left out."""
     _check_format(fmt)
     return [
         FigureFile(f"{folder}/{kind.stem}.{fmt}", kind, ())
         for kind in FIGURES.values()
-        if kind.scope == "closed_loop"
+        if kind.scope == "closed_loop" and kind.runs <= runs
     ]
 
 

@@ -50,7 +50,7 @@ from sinkscope.analysis.stats import ROW_KEYS, across_prompts
 from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.cache_choices import ParticipativeChoice, TopCChoice, buffered_query_frames
 from sinkscope.schedules import key_frames_of, rolling_calls, rolling_policy_keys
-from sinkscope.storage import decoded_attrs, write_text_atomically
+from sinkscope.storage import decoded_attrs, write_csv
 
 POLICIES = ("window", "sink_window", "participative", "top_c", "top_c_oracle")
 # Columns that only some policies have (empty elsewhere).
@@ -461,7 +461,7 @@ def write_policies(
             )
         )
     table = pd.concat(tables, ignore_index=True)
-    write_text_atomically(out_csv, table.to_csv(index=False))
+    write_csv(out_csv, table)
 
 
 def summarize_policies(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:
@@ -478,7 +478,7 @@ def write_policy_summary(
     if not paths:
         raise ValueError("write_policy_summary needs at least one recall table")
     tables = [read_policies(path) for path in paths]
-    write_text_atomically(out_csv, summarize_policies(tables).to_csv(index=False))
+    write_csv(out_csv, summarize_policies(tables))
 
 
 def read_policies(path: str | os.PathLike) -> pd.DataFrame:

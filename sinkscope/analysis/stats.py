@@ -13,6 +13,14 @@ Rows per head, and per layer (`head = mean`):
   profile only if every head sees it (NaN otherwise). entropy, importance and head_class belong
   to single heads (a head's own attention, a head's class, Gu et al.'s share of heads) and are
   empty on the mean rows; `per_head` drops those rows, and `sink_rates` never counts them.
+- The sink definition, one for every table and figure that says "sink" (`is_sink`): a head is a
+  sink for a query set when its mass on the first visible key frame is at least
+  `sink_threshold` (default `SINK_THRESHOLD`) times that frame's uniform share, 1 / the visible
+  key frames: `uniform_multiple` >= `sink_threshold`. Normalised so that one threshold means the
+  same whatever the number of frames a query sees (a spread head scores about 1 at 3 frames and
+  at 21); head_class and the sink rate (`sink_rates`, per query set) apply it to the same
+  column. `importance` (Gu et al.'s mean mass on frame 0 over every query frame, not
+  normalised) is reported beside it and decides nothing.
 - first_middle_ratio = first / middle only where middle > 0, NaN otherwise. A ratio compares
   positive sizes: a logit middle <= 0 (logits have an arbitrary shift per query) flips its sign
   or, near 0, blows it up to any size (first 1, middle -0.01 gives -100), so neither a negative
@@ -31,7 +39,7 @@ import pandas as pd
 import xarray as xr
 
 from sinkscope.analysis.stores import open_frame_dataset
-from sinkscope.storage import write_text_atomically
+from sinkscope.storage import write_csv, write_text_atomically
 
 MEASURES = ("logit_mean", "prob_mass")
 QUERY_MODES = ("last_block", "each_block", "each_frame")
@@ -64,6 +72,14 @@ GROUP_COLUMNS = ["checkpoint", "layer", "head", "step", "timestep", "pass_kind",
 MEAN_HEAD = "mean"
 # Frame indices: integers, empty where no key frame is visible.
 FRAME_COLUMNS = ["argmax_frame", "min_frame"]
+# The sink definition's default threshold (`is_sink`, config `stats.sink_threshold`): a head is a
+# sink when its mass on the first visible key frame is at least this many times the frame's
+# uniform share (1 / visible key frames).
+SINK_THRESHOLD = 3.0
+# Mass on the query set's own block from which a head that is no sink is a recent head.
+RECENT_THRESHOLD = 0.5
+# The keys of a sink rate: one per (run, layer, captured step, query set).
+SINK_RATE_KEYS = ["checkpoint", "prompt", "layer", "step", "timestep", "pass_kind", "query"]
 
 
 def query_sets(blocks: np.ndarray, query: str) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -157,10 +173,40 @@ def profile_statistics(
         )
     if measure == "prob_mass":
         # Every frame has the same number of tokens, so a frame's uniform share is 1 / frames.
-        stats["uniform_multiple"] = first * values.size
+        stats["uniform_multiple"] = uniform_multiple(first, values.size)
         own = np.isin(frames, own_frames)
         stats["recent_mass"] = values[own].sum() if own.any() else np.nan
     return stats
+
+
+def first_frame_by_block(ds: xr.Dataset, step: int) -> pd.DataFrame:
+    """Per (head, query block) at `step` (a step label): the block's `prob_mass` profile on its
+    first visible key frame (`first`), the key frames it sees (`visible_frames`) and
+    `uniform_multiple`: the `each_block` prob_mass rows of `frame_statistics`, computed for
+    every head and block at once (the sink strength over generation time)."""
+    blocks = np.asarray(ds["block"].values)
+    values = ds["prob_mass"].sel(step=step).transpose("head", "query_frame", "key_frame").values
+    heads = [int(head) for head in ds["head"].values]
+    parts = []
+    for block in np.unique(blocks):
+        profile = query_profile(values, np.flatnonzero(blocks == block))  # head, key frame
+        visible = np.isfinite(profile)
+        count = visible.sum(axis=-1)
+        first = np.take_along_axis(profile, visible.argmax(axis=-1)[:, None], axis=-1)[:, 0]
+        first = np.where(count > 0, first, np.nan)
+        parts.append(
+            pd.DataFrame(
+                {
+                    "head": heads,
+                    "query": f"block{int(block)}",
+                    "block": int(block),
+                    "first": first,
+                    "visible_frames": count,
+                    "uniform_multiple": uniform_multiple(first, count),
+                }
+            )
+        )
+    return pd.concat(parts, ignore_index=True)
 
 
 def _scalar(ds: xr.Dataset, name: str):
@@ -178,17 +224,45 @@ def first_frame_importance(ds: xr.Dataset, measure: str = "prob_mass") -> np.nda
         return np.nanmean(first.astype(float), axis=2)
 
 
-def is_sink(mass_on_first_frame, sink_threshold: float):
-    """The one sink rule of head_class and the sink rate: mass on frame 0 >= the threshold."""
-    return np.asarray(mass_on_first_frame) >= sink_threshold
+def uniform_multiple(mass, visible_frames, sink_frames=1):
+    """The sink definition's score: `mass` on `sink_frames` key frames (the first visible one by
+    default) in multiples of their uniform share, sink_frames / `visible_frames` (every frame
+    holds the same number of tokens): 1 for a head that spreads its mass evenly, whatever the
+    number of frames it sees. NaN where no frame is visible. A float for scalars, else an
+    array."""
+    mass = np.asarray(mass, dtype=float)
+    visible = np.asarray(visible_frames, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.asarray(sink_frames, dtype=float) / visible
+        multiple = np.where(visible > 0, mass / share, np.nan)
+    return float(multiple) if multiple.ndim == 0 else multiple
 
 
-def head_class(first: float, recent_mass: float, sink_threshold: float, recent_threshold: float):
-    """sink: mass on the first frame >= sink_threshold (`is_sink`); else recent: mass on the own
-    block >= recent_threshold; else spread. Empty when there are no probabilities."""
-    if np.isnan(first) or np.isnan(recent_mass):
+def is_sink(multiple, sink_threshold: float = SINK_THRESHOLD):
+    """The one sink definition of head_class, the sink rate and the sink figures: the mass on the
+    first visible key frame is at least `sink_threshold` times its uniform share (`multiple`,
+    the `uniform_multiple` column or `uniform_multiple()`). NaN is no sink."""
+    with np.errstate(invalid="ignore"):
+        return np.asarray(multiple, dtype=float) >= sink_threshold
+
+
+def sink_definition(sink_threshold: float = SINK_THRESHOLD) -> str:
+    """The sink definition in words, for titles, legends and axis labels."""
+    return f"first-frame mass ≥ {sink_threshold:g}× uniform share"
+
+
+def head_class(
+    multiple: float,
+    recent_mass: float,
+    sink_threshold: float = SINK_THRESHOLD,
+    recent_threshold: float = RECENT_THRESHOLD,
+):
+    """sink: `is_sink` (the first-frame mass `multiple` of its uniform share reaches
+    sink_threshold); else recent: mass on the own block >= recent_threshold; else spread. Empty
+    when there are no probabilities."""
+    if np.isnan(multiple) or np.isnan(recent_mass):
         return ""
-    if is_sink(first, sink_threshold):
+    if is_sink(multiple, sink_threshold):
         return "sink"
     return "recent" if recent_mass >= recent_threshold else "spread"
 
@@ -197,8 +271,8 @@ def frame_statistics(
     ds: xr.Dataset,
     query: str = "last_block",
     *,
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
+    sink_threshold: float = SINK_THRESHOLD,
+    recent_threshold: float = RECENT_THRESHOLD,
 ) -> pd.DataFrame:
     """One row per (head, step, measure, query set) with the Contract 3 columns, then one row
     per (step, measure, query set) with head = `MEAN_HEAD`: the statistics of the head-mean
@@ -232,7 +306,10 @@ def frame_statistics(
                     stats["importance"] = importance[s, h] if is_mass else np.nan
                     stats["head_class"] = (
                         head_class(
-                            stats["first"], stats["recent_mass"], sink_threshold, recent_threshold
+                            stats["uniform_multiple"],
+                            stats["recent_mass"],
+                            sink_threshold,
+                            recent_threshold,
                         )
                         if is_mass
                         else ""
@@ -329,7 +406,7 @@ def _typed(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _write_csv_atomically(table: pd.DataFrame, csv_path: str | os.PathLike) -> None:
-    write_text_atomically(csv_path, table.to_csv(index=False))
+    write_csv(csv_path, table)
 
 
 def write_stats(
@@ -337,8 +414,8 @@ def write_stats(
     csv_path: str | os.PathLike,
     query: str = "last_block",
     *,
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
+    sink_threshold: float = SINK_THRESHOLD,
+    recent_threshold: float = RECENT_THRESHOLD,
 ) -> None:
     """Statistics of one frame dataset, written atomically as CSV."""
     table = frame_statistics(
@@ -355,8 +432,8 @@ def write_run_stats(
     csv_paths: Sequence[str | os.PathLike],
     query: str = "last_block",
     *,
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
+    sink_threshold: float = SINK_THRESHOLD,
+    recent_threshold: float = RECENT_THRESHOLD,
 ) -> None:
     """`write_stats` of each frame dataset of a run to the matching CSV path."""
     if len(frame_stores) != len(csv_paths):
@@ -411,17 +488,82 @@ def across_prompts(
     return pd.concat(parts, ignore_index=True)[[*columns, "aggregate"]]
 
 
+# The report's summary (`summary_html`): what each measure's table is called, and its style
+# (small type, numbers right-aligned, long column names wrapped rather than widening the page).
+SUMMARY_MEASURE_TITLES = {
+    "logit_mean": "Logits: mean pre-softmax logit per key frame",
+    "prob_mass": "Probability: attention mass per key frame",
+}
+SUMMARY_HTML_STYLE = (
+    "<style>table.sinkscope-summary{border-collapse:collapse;font-size:11px;margin-bottom:1em}"
+    "table.sinkscope-summary th,table.sinkscope-summary td{padding:1px 5px;text-align:right}"
+    "table.sinkscope-summary th{overflow-wrap:anywhere;vertical-align:bottom;"
+    "border-bottom:1px solid #999}table.sinkscope-summary tr:nth-child(even){background:#f4f4f4}"
+    "</style>"
+)
+
+
+def _pass_labels(rows: pd.DataFrame) -> pd.Series:
+    """'0: t=1000' for a denoising pass, '4: cache' (or recache) for the others."""
+    return pd.Series(
+        [
+            f"{int(step)}: t={float(t):g}" if kind == "denoise" else f"{int(step)}: {kind}"
+            for step, t, kind in zip(rows["step"], rows["timestep"], rows["pass_kind"], strict=True)
+        ],
+        index=rows.index,
+        dtype=object,
+    )
+
+
+def summary_html(summary: pd.DataFrame) -> str:
+    """The across-prompt means of `summary` (`summarize`) as HTML for the report, readable at
+    report width: one table per measure (`MEASURES` order, then any other), each without the
+    columns empty in every one of its rows (a statistic the measure does not have), with step,
+    timestep and pass kind as one `pass` column ('0: t=1000', '4: cache') and a query set that
+    is the same on every row named above the table instead of in a column; 4 significant
+    digits, empty cells blank. The per-run values, std and count stay in summary.csv."""
+    means = summary[summary["aggregate"] == "mean"]
+    runs = summary[summary["aggregate"] == "run"]
+    prompts = runs.groupby("checkpoint", sort=True)["prompt"].nunique()
+    averaged = ", ".join(f"{checkpoint}: {count}" for checkpoint, count in prompts.items())
+    parts = [
+        SUMMARY_HTML_STYLE,
+        f"<p>Across-prompt means of the sink statistics (prompts per checkpoint: {averaged}); "
+        "one table per measure, without the statistics a measure does not have. Every run's "
+        "values, the std and the count across prompts: summary.csv.</p>",
+    ]
+    measures = [m for m in MEASURES if m in set(means["measure"])]
+    measures += sorted(set(means["measure"]) - set(MEASURES))
+    for measure in measures:
+        rows = means[means["measure"] == measure].drop(columns=["prompt", "aggregate", "measure"])
+        rows = rows.dropna(axis="columns", how="all")
+        rows = rows.loc[:, [(rows[c].astype(str) != "").any() for c in rows.columns]]
+        rows.insert(rows.columns.get_loc("step"), "pass", _pass_labels(rows))
+        rows = rows.drop(columns=["step", "timestep", "pass_kind"])
+        queries = sorted(set(rows["query"].astype(str)))
+        if len(queries) == 1:
+            rows = rows.drop(columns="query")
+        title = SUMMARY_MEASURE_TITLES.get(measure, measure)
+        where = f" (query: {queries[0]})" if len(queries) == 1 else ""
+        parts.append(f"<h4>{title} &mdash; <code>{measure}</code>{where}</h4>")
+        table = rows.to_html(
+            index=False, float_format="%.4g", na_rep="", border=0, classes="sinkscope-summary"
+        )
+        parts.append(table)
+    return "\n".join(parts) + "\n"
+
+
 def write_summary(
     csv_paths: Iterable[str | os.PathLike],
     out_csv: str | os.PathLike,
     sink_rate_csv: str | os.PathLike | None = None,
     *,
     html_table: str | os.PathLike | None = None,
-    sink_threshold: float = 0.3,
+    sink_threshold: float = SINK_THRESHOLD,
 ) -> None:
     """Stack per-run statistics CSVs, add across-prompt aggregates, write atomically; optionally
     the sink rate of every run, layer and step as a second table, and the across-prompt means
-    as an HTML table (for the report)."""
+    as HTML tables, one per measure (`summary_html`, for the report)."""
     paths = list(csv_paths)
     if not paths:
         raise ValueError("write_summary needs at least one statistics CSV")
@@ -429,8 +571,7 @@ def write_summary(
     summary = summarize(tables)
     _write_csv_atomically(_frame_indices_as_in_runs(summary), out_csv)
     if html_table is not None:
-        means = summary[summary["aggregate"] == "mean"].drop(columns=["prompt", "aggregate"])
-        write_text_atomically(html_table, means.to_html(index=False, float_format="%.4g"))
+        write_text_atomically(html_table, summary_html(summary))
     if sink_rate_csv is not None:
         _write_csv_atomically(sink_rates(pd.concat(tables), sink_threshold), sink_rate_csv)
 
@@ -447,21 +588,36 @@ def _frame_indices_as_in_runs(summary: pd.DataFrame) -> pd.DataFrame:
     return summary
 
 
-def sink_rates(stats: pd.DataFrame, threshold: float = 0.3) -> pd.DataFrame:
-    """Gu et al.'s sink rate per (checkpoint, prompt, layer, step): the share of heads whose
-    importance of frame 0 is at least `threshold` (`is_sink`; the `importance` column). A share
-    of heads: the head = mean rows are not heads and never count."""
+def sink_rates(stats: pd.DataFrame, threshold: float = SINK_THRESHOLD) -> pd.DataFrame:
+    """The sink rate (Gu et al.'s share of sink heads, with the sink definition of `is_sink`) per
+    (checkpoint, prompt, layer, step, query set): the share of heads whose `uniform_multiple`
+    (first-frame mass over its uniform share) is at least `threshold`, the heads head_class
+    calls `sink` at that threshold. A share of heads: the head = mean rows are not heads and
+    never count."""
     heads = per_head(stats)
     heads = heads[heads["measure"] == "prob_mass"].drop_duplicates(
-        ["checkpoint", "prompt", "layer", "step", "head"]
+        ["checkpoint", "prompt", "layer", "step", "query", "head"]
     )
-    keys = ["checkpoint", "prompt", "layer", "step", "timestep", "pass_kind"]
-    grouped = heads.assign(is_sink=is_sink(heads["importance"], threshold)).groupby(keys, sort=True)
+    sinks = is_sink(heads["uniform_multiple"], threshold)
+    grouped = heads.assign(is_sink=sinks).groupby(SINK_RATE_KEYS, sort=True)
     table = grouped.agg(
         sink_heads=("is_sink", "sum"),
         num_heads=("head", "nunique"),
-        measured=("importance", "count"),
+        measured=("uniform_multiple", "count"),
     ).reset_index()
     table["sink_rate"] = (table["sink_heads"] / table["num_heads"]).where(table["measured"] > 0)
     table["threshold"] = threshold
-    return table.drop(columns="measured")
+    return _in_query_order(table.drop(columns="measured"))
+
+
+def _in_query_order(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with the query sets of each (run, layer, step) in their order (block2 before
+    block10), as `query_sets` makes them."""
+    number = pd.to_numeric(
+        table["query"].astype(str).str.extract(r"(\d+)$")[0], errors="coerce"
+    ).fillna(-1)
+    keys = [key for key in SINK_RATE_KEYS if key != "query"]
+    ordered = table.assign(_query_number=number).sort_values(
+        [*keys, "_query_number"], kind="stable"
+    )
+    return ordered.drop(columns="_query_number").reset_index(drop=True)

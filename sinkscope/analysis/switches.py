@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import zarr
 
-from sinkscope.analysis.closed_loop import RUN_KEYS
+from sinkscope.analysis.closed_loop import RUN_KEYS, run_key, typed_run_keys
 from sinkscope.analysis.diagnostics import (
     read_block_tables,
     read_pass_table,
@@ -39,7 +39,7 @@ from sinkscope.analysis.slots import is_slot_store
 from sinkscope.analysis.stores import open_attention_store, read_region
 from sinkscope.cache_choices import KEY_KIND
 from sinkscope.frames import block_of_frame
-from sinkscope.storage import decoded_attrs, write_text_atomically
+from sinkscope.storage import decoded_attrs, write_csv
 from sinkscope.tables import SWITCH_COLUMNS
 
 _READ_BYTES = 64 << 20  # key_mass and slot_kind bytes read at once from a store
@@ -110,6 +110,17 @@ def switch_starts(blocks: pd.DataFrame) -> list[int]:
     return [int(frame) for frame in blocks["first_frame"].to_numpy()[changed]]
 
 
+def shown_pass(rows: pd.DataFrame) -> tuple[int, str]:
+    """The pass a rollout's switch panels show, of its rows of the switch table: its first
+    captured denoising pass (t = 1000 by default), else its first pass; with its label."""
+    passes = rows.drop_duplicates("step").sort_values("step")
+    denoise = passes[passes["pass_kind"] == "denoise"]
+    chosen = (denoise if not denoise.empty else passes).iloc[0]
+    kind = str(chosen["pass_kind"])
+    label = "cache pass (t=0)" if kind == "cache" else f"t={float(chosen['timestep']):g}"
+    return int(chosen["step"]), label if kind != "recache" else "recache pass (t=0)"
+
+
 def store_switch_rows(
     path: str | os.PathLike, blocks: pd.DataFrame, sink_frames: int = 0
 ) -> pd.DataFrame:
@@ -136,7 +147,7 @@ def store_switch_rows(
     pass_kind = [str(kind) for kind in ds["pass_kind"].values]
     steps, heads, _ = sink.shape
     rows = []
-    run = dict(zip(RUN_KEYS, blocks[RUN_KEYS].iloc[0], strict=True))
+    run = dict(zip(RUN_KEYS, run_key(blocks[RUN_KEYS].iloc[0]), strict=True))
     columns = ("block", "first_frame", "frames", "segment")
     for block, first, count, segment in zip(*(blocks[c] for c in columns), strict=True):
         if first + count > sink.shape[2]:
@@ -175,9 +186,10 @@ def store_switch_frames(attrs: dict) -> list[int]:
 
 
 def _typed(table: pd.DataFrame) -> pd.DataFrame:
-    """`frames_since_switch` as nullable integers: written as whole numbers or empty."""
+    """`frames_since_switch`, and the full cache's empty budget and capacity, as nullable
+    integers: written as whole numbers or empty."""
     table["frames_since_switch"] = table["frames_since_switch"].astype("Int64")
-    return table
+    return typed_run_keys(table)
 
 
 def switch_table(
@@ -216,7 +228,7 @@ def write_switch_table(
     """`switch_table`, written atomically as CSV to `out` (`results/closed_loop/switches.csv`);
     returns it."""
     table = switch_table(block_tables, stores, sink_frames)
-    write_text_atomically(out, table.to_csv(index=False))
+    write_csv(out, table)
     return table
 
 

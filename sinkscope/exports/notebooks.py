@@ -2,7 +2,8 @@
 
 The seed research (a reproduction of Deep Forcing's Fig. 4 on Self-Forcing) reads `torch.save`
 dicts. Per (checkpoint, prompt) four layouts, each a dict of plain tensors, ints, strings, lists and
-dicts that `torch.load(path, weights_only=True)` opens (README "Exports for the seed notebooks"):
+dicts that `torch.load(path, weights_only=True)` opens (docs/GUIDE.md, "Exports for the seed
+notebooks"):
 
 - figure-4 cache: the softmax probabilities of the last block's queries over every key token;
 - logit cache: their pre-softmax logits, float16, -inf where not visible;

@@ -139,7 +139,8 @@ class CachePolicy:
 
     @property
     def label(self) -> str:
-        """What plots and logs call it: `deep_sink B=9 S=3`, `deep_forcing B=9 S=3 R=1 L=21`."""
+        """What plots and logs call it: `deep_sink B=9 S=3`, `deep_forcing B=9 S=3 R=1
+        capacity=21`."""
         if self.name == "full":
             return "full cache"
         return policy_label(

@@ -16,11 +16,8 @@ Attention inside every rollout can be captured into attention stores over the ca
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
-import io
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +27,7 @@ import torch
 from sinkscope.diagnostics import sink_distance
 from sinkscope.frames import block_sizes, closed_loop_key_frames
 from sinkscope.schedules import BlockPart, ModelCall
-from sinkscope.storage import write_text_atomically
+from sinkscope.storage import csv_rows_text, write_text_atomically
 from sinkscope.tables import BLOCK_POSITION_COLUMNS, FRAME_TABLE_COLUMNS
 
 from .cache_policies import CachePolicy
@@ -73,15 +70,17 @@ def frame_deviation(latents: torch.Tensor, reference: torch.Tensor) -> tuple[lis
 
 
 def _run_keys(checkpoint: str, prompt: str, policy: CachePolicy) -> list:
-    """The values of `tables.CLOSED_LOOP_RUN_KEYS` of one rollout."""
+    """The values of `tables.CLOSED_LOOP_RUN_KEYS` of one rollout: the full cache keeps every
+    frame, so its budget and capacity are empty (None), not 0."""
+    full = policy.name == "full"
     return [
         checkpoint,
         prompt,
         policy.name,
-        policy.budget,
+        None if full else policy.budget,
         policy.sink_frames,
         policy.recent_frames,
-        policy.cache_frames,
+        None if full else policy.cache_frames,
         policy.jitter,
         policy.bias,
     ]
@@ -104,19 +103,17 @@ def frame_table_csv(
     sizes = block_sizes(latents.shape[1], frames_per_block, independent_first_frame)
     blocks = [block for block, size in enumerate(sizes) for _ in range(size)]
     if reference is None:
-        rel_l2 = cosine = [""] * len(blocks)
+        rel_l2 = cosine = [None] * len(blocks)
     else:
-        rel_l2, cosine = (list(map(repr, values)) for values in frame_deviation(latents, reference))
-    distance = sink_distance(latents.double().numpy(), sink_frames or sizes[0])
-    # empty where undefined (the sink frames themselves), as the deviation without a reference
-    distance = ["" if math.isnan(d) else repr(d) for d in distance.tolist()]
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(FRAME_TABLE_COLUMNS)
+        rel_l2, cosine = frame_deviation(latents, reference)
+    # NaN (written empty) where undefined: the sink frames themselves
+    distance = sink_distance(latents.double().numpy(), sink_frames or sizes[0]).tolist()
     run = _run_keys(checkpoint, prompt, policy)
-    for frame, block in enumerate(blocks):
-        writer.writerow([*run, frame, block, rel_l2[frame], cosine[frame], distance[frame]])
-    return out.getvalue()
+    rows = [
+        [*run, frame, block, rel_l2[frame], cosine[frame], distance[frame]]
+        for frame, block in enumerate(blocks)
+    ]
+    return csv_rows_text(FRAME_TABLE_COLUMNS, rows)
 
 
 class PositionProbe:
@@ -160,12 +157,8 @@ class PositionProbe:
             self.capture(layer, q, k, visible)
 
     def csv(self, checkpoint: str, prompt: str, policy: CachePolicy) -> str:
-        out = io.StringIO()
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(BLOCK_POSITION_COLUMNS)
         run = _run_keys(checkpoint, prompt, policy)
-        writer.writerows([*run, *row] for row in self.rows)
-        return out.getvalue()
+        return csv_rows_text(BLOCK_POSITION_COLUMNS, [[*run, *row] for row in self.rows])
 
 
 def _check_reference(path: str | Path, latents: torch.Tensor, mine: dict, theirs: dict) -> None:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from sinkscope.cache_choices import policy_label
 from sinkscope.frames import evicting_frame
-from sinkscope.storage import write_text_atomically
+from sinkscope.storage import write_csv
 from sinkscope.video_grid import GridComposer, GridTile, frame_counter
 from sinkscope.video_metrics import FPS, VIDEO_TABLE_COLUMNS, VideoMetricAccumulator
 from sinkscope.videos import VideoWriter
@@ -228,4 +228,4 @@ def decode_videos(
     table.insert(0, "checkpoint", checkpoint_name)
     table.insert(1, "prompt", prompt_name)
     table.insert(3, "label", table["rollout"].map(labels))
-    write_text_atomically(metrics, table[VIDEO_TABLE_COLUMNS].to_csv(index=False))
+    write_csv(metrics, table[VIDEO_TABLE_COLUMNS])

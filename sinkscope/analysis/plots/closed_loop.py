@@ -20,11 +20,22 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 from sinkscope.analysis.closed_loop import (
     FULL,
     RUN_KEYS,
+    closed_loop_runs,
+    deviation_spread,
     evicting_frame,
-    policy_order,
+    left_out_note,
+    policy_key,
+    policy_keys,
+    policy_rows,
+    reference_marks,
     rollout_label,
+    run_groups,
+    run_names,
+    run_sort_key,
+    spans_decades,
 )
-from sinkscope.analysis.switches import switch_starts
+from sinkscope.analysis.stats import SINK_THRESHOLD
+from sinkscope.analysis.switches import shown_pass, switch_starts
 from sinkscope.diagnostics import DISTANCE_THRESHOLD, PHASE_FROM, collapse_candidates
 
 from .common import (
@@ -38,6 +49,8 @@ from .common import (
 
 CLOSED_LOOP_TITLE = "Closed loop: latent deviation from the full-cache rollout"
 CLOSED_LOOP_L2_LABEL = "Relative L2 to the full-cache rollout"
+# In words: a viewer's first font (Arial) has no double bar (U+2016) and draws a box instead.
+CLOSED_LOOP_L2_FORMULA = "per frame: norm(x − x_full) / norm(x_full)"
 CLOSED_LOOP_MEAN_LABEL = "Mean relative L2 from the first eviction on"
 CLOSED_LOOP_RECALL_LABEL = "Offline recall where the policy drops keys"
 # The families of plot_policy_recall: window black, sinks blue (turned: purple), Participative
@@ -55,46 +68,11 @@ CLOSED_LOOP_COLORS = {
     "head_jitter": "#e6ab02",
     "logit_bias": "#17becf",
 }
-CLOSED_LOOP_MARKERS = {
-    "window": "o",
-    "sink_window": "s",
-    "deep_sink": "D",
-    "participative": "v",
-    "deep_forcing": "P",
-    "top_c": "^",
-    "relative": "<",
-    "replay": ">",
-    "head_jitter": "*",
-    "logit_bias": "X",
-}
-CLOSED_LOOP_LOG_DECADES = 1.0  # a log axis when the non-zero values span more than this
+# Markers in the order of CLOSED_LOOP_COLORS after full: o window, s sink_window, D deep_sink, ...
+CLOSED_LOOP_MARKERS = dict(zip(list(CLOSED_LOOP_COLORS)[1:], "osDvP^<>*X", strict=True))
 EVICTION_STYLE = {"color": "0.45", "linewidth": 0.6, "linestyle": "--"}
 TRAINING_STYLE = {"color": "0.45", "linewidth": 0.8, "linestyle": ":"}
-NOTE_WIDTH = 70  # characters per line of a note under a figure one column wide
 MARKED_BLOCKS = 16  # the deviation lines mark the first frame of at most this many blocks
-POLICY_KEYS = RUN_KEYS[2:]  # what tells the policies of one run apart
-
-
-def _policy_key(policy, budget, sink, recent, capacity, jitter, bias) -> tuple:
-    """(policy, budget, sink_frames, recent_frames, capacity, jitter, bias), typed."""
-    counts = (int(value) for value in (budget, sink, recent, capacity))
-    return (str(policy), *counts, float(jitter), float(bias))
-
-
-def _closed_loop_policies(table: pd.DataFrame) -> list[tuple]:
-    """`_policy_key` of every closed-loop policy of `table`, in the order of
-    `cache_choices.CLOSED_LOOP_POLICIES` (full, window, sink_window, deep_sink, participative,
-    deep_forcing, top_c, then the newer ones), then by budget, S, R, capacity, jitter and bias."""
-    keys = {_policy_key(*values) for values in table[POLICY_KEYS].itertuples(index=False)}
-    return sorted(keys, key=lambda key: (policy_order(key[0]), *key[1:]))
-
-
-def _rows_of(table: pd.DataFrame, key: tuple) -> pd.DataFrame:
-    """The rows of one closed-loop policy (`_closed_loop_policies`) in `table`."""
-    mask = np.ones(len(table), dtype=bool)
-    for column, value in zip(POLICY_KEYS, key, strict=True):
-        mask &= (table[column] == value).to_numpy()
-    return table[mask]
 
 
 def _closed_loop_styles(keys: Sequence[tuple]) -> dict[tuple, dict]:
@@ -115,26 +93,6 @@ def _closed_loop_styles(keys: Sequence[tuple]) -> dict[tuple, dict]:
     return styles
 
 
-def _closed_loop_label(key: tuple) -> str:
-    return rollout_label(*key)
-
-
-def closed_loop_runs(table: pd.DataFrame, what: str) -> list[tuple[str, str]]:
-    if table.empty:
-        raise ValueError(f"the closed-loop {what} has no rows")
-    pairs = zip(table["checkpoint"], table["prompt"], strict=True)
-    return sorted({(str(checkpoint), str(prompt)) for checkpoint, prompt in pairs})
-
-
-def _log_worthy(values: np.ndarray) -> bool:
-    """True when the positive finite values span more than CLOSED_LOOP_LOG_DECADES decades."""
-    values = np.asarray(values, dtype=float)
-    positive = values[np.isfinite(values) & (values > 0)]
-    if positive.size < 2:
-        return False
-    return bool(np.log10(positive.max() / positive.min()) > CLOSED_LOOP_LOG_DECADES)
-
-
 def _block_starts(blocks: np.ndarray) -> list[int]:
     """Positions of the first frame of each block (of every k-th block when there are more than
     MARKED_BLOCKS): where a deviation line puts its markers."""
@@ -142,29 +100,52 @@ def _block_starts(blocks: np.ndarray) -> list[int]:
     return starts[:: math.ceil(len(starts) / MARKED_BLOCKS)].tolist()
 
 
-def _log_axis(ax: Axes, values: np.ndarray) -> None:
-    """A log y axis with plain numbers (0.01, 0.02, 0.05, 0.1): ticks at 1, 2 and 5 times the
-    powers of ten when `values` span at most three decades, else at the powers alone."""
+def _log_axis(ax: Axes, values: np.ndarray, axis: str = "y") -> None:
+    """A log y (or x) axis with plain numbers (0.01, 0.02, 0.05, 0.1): ticks at 1, 2 and 5 times
+    the powers of ten when `values` span at most three decades, else at the powers alone."""
     positive = values[np.isfinite(values) & (values > 0)]
     decades = np.log10(positive.max() / positive.min())
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-
-
-def _run_names(runs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
-    """The shortest name that tells the runs apart: the prompt when the checkpoint is always the
-    same, the checkpoint when the prompt is, else both."""
-    if len({c for c, _ in runs}) == 1:
-        return {run: run[1] for run in runs}
-    if len({p for _, p in runs}) == 1:
-        return {run: run[0] for run in runs}
-    return {run: f"{run[0]} · {run[1]}" for run in runs}
+    getattr(ax, f"set_{axis}scale")("log")
+    scale = ax.yaxis if axis == "y" else ax.xaxis
+    scale.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
+    scale.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    scale.set_minor_formatter(NullFormatter())
 
 
 def _frame_list(values: Sequence[int]) -> str:
     return ", ".join(str(int(v)) for v in values)
+
+
+REFERENCE_LABEL_PT = 5.5  # font size of the names above the reference lines
+
+
+def _name_reference_lines(
+    ax: Axes, evictions: dict[int, int], train_frames: int | None, last: int, ncols: int = 1
+) -> None:
+    """Name the panel's vertical reference lines above it, at their frames: `capacity C` at the
+    first eviction of each capacity C (`evictions`: capacity -> frame; `capacity 4, 5` where two
+    evict first at one frame), `training length` at `train_frames`. Lines at one frame (the
+    training length and a capacity of the same size, 21 and 21) get one name that says both. A
+    name too close to the one before it (in a panel of `ncols` a row) goes a line higher
+    (`closed_loop.reference_marks` says what each frame is)."""
+    marks = reference_marks(evictions, train_frames, last)
+    if not marks:
+        return
+    frames = sorted(marks)
+    per_frame = (FULL_WIDTH_IN - 0.7) * 72 / ncols / max(last + 1, 1)  # points per frame
+    labels, right = [], -math.inf  # the right end of the last name on the lowest line
+    for frame in frames:
+        text = marks[frame]
+        half = 0.3 * REFERENCE_LABEL_PT * len(text) / per_frame  # half its width, in frames
+        raised = frame - half < right
+        labels.append(f"{text}\n" if raised else text)
+        if not raised:
+            right = frame + half
+    top = ax.secondary_xaxis("top")
+    top.set_xticks(frames, labels)
+    top.tick_params(length=2, pad=1, labelsize=REFERENCE_LABEL_PT, colors="0.35")
+    for spine in top.spines.values():
+        spine.set_visible(False)
 
 
 @styled
@@ -184,20 +165,14 @@ def plot_closed_loop_deviation(
     table = table[(table["policy"] != FULL) & table["rel_l2"].notna()]
     if table.empty:
         fig = Figure(figsize=(COLUMN_WIDTH_IN, 1.2), layout="constrained")
-        fig.text(
-            0.5,
-            0.5,
-            "No full-cache reference (closed_loop.reference: none):\nno deviation to draw",
-            ha="center",
-            va="center",
-            color="0.35",
-        )
+        text = "No full-cache reference (closed_loop.reference: none):\nno deviation to draw"
+        fig.text(0.5, 0.5, text, ha="center", va="center", color="0.35")
         fig.suptitle(CLOSED_LOOP_TITLE)
         return fig
     runs = closed_loop_runs(table, "deviation table")
-    keys = _closed_loop_policies(table)
+    keys = policy_keys(table)
     styles = _closed_loop_styles(keys)
-    log = _log_worthy(table["rel_l2"].to_numpy(dtype=float))
+    log = spans_decades(table["rel_l2"].to_numpy(dtype=float))
     last = int(table["frame"].max())
     ncols = min(len(runs), 3)
     nrows = math.ceil(len(runs) / ncols)
@@ -212,14 +187,14 @@ def plot_closed_loop_deviation(
         run_evictions: dict[int, int] = {}
         for key in keys:
             capacity = key[4]
-            rows = _rows_of(run, key).sort_values("frame")
+            rows = policy_rows(run, key).sort_values("frame")
             if rows.empty:
                 continue
             y = rows["rel_l2"].to_numpy(dtype=float)
             ax.plot(
                 rows["frame"].to_numpy(dtype=float),
                 np.where(y > 0, y, np.nan) if log else y,
-                label=_closed_loop_label(key),
+                label=rollout_label(*key),
                 markersize=2.0,
                 markevery=_block_starts(rows["block"].to_numpy()),
                 **styles[key],
@@ -229,11 +204,11 @@ def plot_closed_loop_deviation(
                 run_evictions.setdefault(capacity, start)
                 evictions.setdefault(capacity, set()).add(start)
         for capacity, start in sorted(run_evictions.items()):
-            ax.axvline(
-                start, label=f"_first eviction, cache {capacity}", zorder=1, **EVICTION_STYLE
-            )
+            label = f"_first eviction, capacity {capacity}"
+            ax.axvline(start, label=label, zorder=1, **EVICTION_STYLE)
         if train_frames is not None:
             ax.axvline(train_frames, label="_training length", zorder=1, **TRAINING_STYLE)
+        _name_reference_lines(ax, run_evictions, train_frames, last, ncols)
         if titles or len(runs) > 1:
             ax.set_title(f"{checkpoint} · {prompt}")
         ax.set_xlim(-0.5, last + 0.5)
@@ -251,17 +226,17 @@ def plot_closed_loop_deviation(
     if evictions:
         caches = sorted(evictions)
         if any(len(starts) > 1 for starts in evictions.values()):
-            label = "first eviction of each cache size"
+            label = "first eviction of each capacity"
         elif len(caches) == 1:
-            label = f"first eviction (frame {min(evictions[caches[0]])}, cache of {caches[0]})"
+            label = f"first eviction (frame {min(evictions[caches[0]])}, capacity {caches[0]})"
         else:
             starts = _frame_list(min(evictions[cache]) for cache in caches)
-            label = f"first eviction (frames {starts}, caches of {_frame_list(caches)})"
+            label = f"first eviction (frames {starts}, capacity {_frame_list(caches)})"
         handles[label] = Line2D([], [], **EVICTION_STYLE)
     if train_frames is not None:
         handles[f"training length ({int(train_frames)} frames)"] = Line2D([], [], **TRAINING_STYLE)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3)
-    fig.supylabel(f"{CLOSED_LOOP_L2_LABEL}\n‖x − x_full‖ / ‖x_full‖ per frame")
+    fig.supylabel(f"{CLOSED_LOOP_L2_LABEL}\n{CLOSED_LOOP_L2_FORMULA}")
     zeros = log and bool((table["rel_l2"] == 0).any())
     detail = "clean latents, same noise, rolled out past the cache"
     if zeros:
@@ -312,43 +287,6 @@ def _label_points(ax: Axes, x: np.ndarray, y: np.ndarray, labels: Sequence[str])
         )
 
 
-NOTE_ITEMS = 8  # policies named in the note of rows not drawn; the rest are counted
-
-
-def _left_out_note(
-    rows: pd.DataFrame, keys: Sequence[tuple], names: dict[tuple[str, str], str]
-) -> str:
-    """'Not drawn, no offline recall: top_c B=9 R=3 (cat, sea); never evicts: window B=42.',
-    the runs left out when the figure has several, wrapped under the figure."""
-    reasons: dict[str, dict[tuple, list[str]]] = {"no offline recall": {}, "never evicts": {}}
-    for row in rows.itertuples(index=False):
-        key = _policy_key(*(getattr(row, column) for column in POLICY_KEYS))
-        why = "never evicts" if not np.isfinite(row.rel_l2_mean) else "no offline recall"
-        name = names[(str(row.checkpoint), str(row.prompt))].replace(" ", "\N{NO-BREAK SPACE}")
-        reasons[why].setdefault(key, []).append(name)  # a run's name stays on one line
-    parts, shown, hidden = [], 0, 0
-    for why, by_key in reasons.items():
-        items = []
-        for key in [key for key in keys if key in by_key]:
-            if shown >= NOTE_ITEMS:
-                hidden += 1
-                continue
-            shown += 1
-            runs = by_key[key]
-            if len(names) == 1:  # the title names the run
-                where = ""
-            elif len(runs) == len(names):
-                where = " (every run)"
-            else:
-                where = f" ({', '.join(runs)})"
-            items.append(f"{_closed_loop_label(key)}{where}")
-        if items:
-            parts.append(f"{why}: {', '.join(items)}")
-    text = "Not drawn, " + "; ".join(parts)
-    text += f"; and {hidden} more (see the summary table)." if hidden else "."
-    return "\n".join(textwrap.wrap(text, NOTE_WIDTH))
-
-
 @styled
 def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figure:
     """Mean relative L2 from the first eviction on (y) against the offline recall of the same
@@ -357,9 +295,9 @@ def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figu
     Rows without a recall or a mean (no offline rows, no eviction) are named in a note instead.
     Without `titles` the title does not name the run (the caption does)."""
     runs = closed_loop_runs(table, "summary")
-    keys = _closed_loop_policies(table)
+    keys = policy_keys(table)
     styles = _closed_loop_styles(keys)
-    names = _run_names(runs)
+    names = run_names(runs)
     recall = table["recall"].to_numpy(dtype=float)
     mean = table["rel_l2_mean"].to_numpy(dtype=float)
     drawn = table[np.isfinite(recall) & np.isfinite(mean)]
@@ -368,57 +306,39 @@ def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figu
     fig = Figure(figsize=(COLUMN_WIDTH_IN, 2.9 + 0.12 * legend_rows), layout="constrained")
     ax = fig.add_subplot()
     for key in keys:
-        rows = _rows_of(drawn, key)
+        rows = policy_rows(drawn, key)
         if rows.empty:
             continue
         style = {**styles[key], "linestyle": "none"}
-        ax.plot(
-            rows["recall"].to_numpy(dtype=float),
-            rows["rel_l2_mean"].to_numpy(dtype=float),
-            label=_closed_loop_label(key),
-            markersize=4.6 if style["marker"] == "^" else 4.0,  # a triangle looks smaller
-            markeredgewidth=0.5,
-            markeredgecolor="white",
-            **style,
-        )
+        size = 4.6 if style["marker"] == "^" else 4.0  # a triangle looks smaller
+        ax.plot(rows["recall"].to_numpy(dtype=float), rows["rel_l2_mean"].to_numpy(dtype=float),
+                label=rollout_label(*key), markersize=size, markeredgewidth=0.5,
+                markeredgecolor="white", **style)  # fmt: skip
     ax.set_xlim(-0.02, 1.02)
     ax.set_xticks([0.0, 0.25, 0.5, 0.75, 1.0])
     ax.grid(color="0.9", linewidth=0.4)
     ax.set_axisbelow(True)
     means = drawn["rel_l2_mean"].to_numpy(dtype=float)
-    if _log_worthy(means) and (means > 0).all():
+    if spans_decades(means) and (means > 0).all():
         _log_axis(ax, means)
     elif means.size and means.max() > 0:
         ax.set_ylim(0, means.max() * 1.12)  # room above the top point for its name
     else:
         ax.set_ylim(bottom=0)
     if len(runs) > 1 and not drawn.empty:
-        _label_points(
-            ax,
-            drawn["recall"].to_numpy(dtype=float),
-            drawn["rel_l2_mean"].to_numpy(dtype=float),
-            [
-                names[(str(c), str(p))]
-                for c, p in zip(drawn["checkpoint"], drawn["prompt"], strict=True)
-            ],
-        )
+        pairs = zip(drawn["checkpoint"], drawn["prompt"], strict=True)
+        labels = [names[(str(c), str(p))] for c, p in pairs]
+        x, y = (drawn[c].to_numpy(dtype=float) for c in ("recall", "rel_l2_mean"))
+        _label_points(ax, x, y, labels)
     ax.set_xlabel(f"{CLOSED_LOOP_RECALL_LABEL}\n(mean over the captured layers, heads and steps)")
     ax.set_ylabel(CLOSED_LOOP_MEAN_LABEL)
     if drawn.empty:
-        ax.text(
-            0.5,
-            0.5,
-            "no rollout has both an offline recall and an eviction",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            color="0.4",
-        )
+        _note(ax, "no rollout has both an offline recall and an eviction")
         ax.set_ylim(0, 1)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.02), ncols=2)
     if not left_out.empty:
-        fig.supxlabel(_left_out_note(left_out, keys, names), fontsize=5.5, color="0.35")
+        fig.supxlabel(left_out_note(left_out, keys, names), fontsize=5.5, color="0.35")
     if len(runs) > 1:
         where = f"{len(runs)} runs · one point per run and policy"
     elif titles:
@@ -426,6 +346,85 @@ def plot_closed_loop_recall(table: pd.DataFrame, *, titles: bool = True) -> Figu
     else:
         where = "one point per policy"
     fig.suptitle(f"Closed loop: deviation against offline recall\n{where}")
+    return fig
+
+
+RUNS_TITLE = "Closed loop: deviation from the full-cache rollout across runs"
+# The summary's deviations the across-runs figure draws, one panel each: (column, x label).
+RUNS_METRICS = {
+    "rel_l2_mean": "Mean relative L2\nfrom the first eviction on",
+    "rel_l2_beyond_training": "Mean relative L2\nbeyond the training length",
+}
+RUN_POINT_STYLE = {"marker": "o", "markersize": 2.6, "markerfacecolor": "none", "alpha": 0.75}
+MEAN_STYLE = {"marker": "D", "markersize": 3.2, "linestyle": "none"}
+
+
+@styled
+def plot_closed_loop_deviation_runs(
+    table: pd.DataFrame, *, train_frames: int | None = None
+) -> Figure:
+    """How far each policy drifts from the full-cache rollout across the closed loop's runs (the
+    summary, `closed_loop_summary`): one row per policy, one panel per column of `RUNS_METRICS`
+    (a column empty in every row is left out); per checkpoint (a colour each, side by side in
+    the row) the mean over its prompts with an error bar of one sample standard deviation each
+    side (`deviation_spread`; none from one prompt), every run's value a hollow dot. One seed
+    rolls out every run: the spread is the prompts'. A log axis past a decade."""
+    runs, keys = closed_loop_runs(table, "summary"), policy_keys(table)
+    metrics = [c for c in RUNS_METRICS if np.isfinite(table[c].to_numpy(dtype=float)).any()]
+    checkpoints = sorted({checkpoint for checkpoint, _ in runs})
+    colors = dict(zip(checkpoints, series_colors(len(checkpoints)), strict=True))
+    fig = Figure(figsize=(FULL_WIDTH_IN, 1.0 + 0.3 * len(keys)), layout="constrained")
+    if not metrics:
+        fig.set_figheight(1.4)
+        _note(fig.add_subplot(), "no deviation to draw: no full-cache reference, or no eviction")
+        fig.axes[0].set_axis_off()
+        fig.suptitle(RUNS_TITLE)
+        return fig
+    axes = panel_grid(fig, len(metrics), len(metrics), sharey=True)
+    every = table[metrics].to_numpy(dtype=float).ravel()
+    log = spans_decades(every) and (every[np.isfinite(every)] > 0).all()
+    offsets = np.linspace(-0.25, 0.25, len(checkpoints) + 2)[1:-1]  # within a row
+    offsets = dict(zip(checkpoints, offsets, strict=True))
+    rows = {key: row for row, key in enumerate(keys)}
+    spreads = []  # every standard deviation drawn
+    for ax, column in zip(axes, metrics, strict=True):
+        spread = deviation_spread(table, column)
+        for key in set(keys) - set(spread["key"]):
+            why = "never evicts" if column == "rel_l2_mean" else "no value"
+            ax.text(0.01, rows[key], why, transform=ax.get_yaxis_transform(), va="center",
+                    color="0.45", fontsize=REFERENCE_LABEL_PT)  # fmt: skip
+        for item in spread.itertuples(index=False):
+            y, color = rows[item.key] + offsets[item.checkpoint], colors[item.checkpoint]
+            ax.plot(item.values, np.full(item.count, y), linestyle="none", color=color,
+                    label="_run", **RUN_POINT_STYLE)  # fmt: skip
+            bar = None if math.isnan(item.std) else item.std
+            ax.errorbar(item.mean, y, xerr=bar, color=color, capsize=2.0, elinewidth=0.8,
+                        label=f"_{item.checkpoint}", **MEAN_STYLE)  # fmt: skip
+            spreads += [] if bar is None else [bar]
+        ends = [*spread["mean"] + spread["std"].fillna(0), *every[np.isfinite(every)]]
+        if log:
+            _log_axis(ax, every, axis="x")
+        else:
+            right = 1.08 * float(np.nanmax(ends, initial=0.0)) or 1.0
+            ax.set_xlim(-0.02 * right, right)  # a mean of 0 (never evicts) drawn whole
+        train = f" ({int(train_frames)} frames)" if "training" in column and train_frames else ""
+        ax.set_xlabel(RUNS_METRICS[column] + train)
+        ax.grid(axis="x", color="0.9", linewidth=0.4)
+        for row in range(1, len(keys)):
+            ax.axhline(row - 0.5, color="0.92", linewidth=0.4, zorder=0)
+    axes[0].set_yticks(range(len(keys)), [rollout_label(*key) for key in keys])
+    axes[0].set_ylim(len(keys) - 0.5, -0.5)  # the first policy on top
+    handles = {}
+    for checkpoint in checkpoints:
+        n = sum(c == checkpoint for c, _ in runs)
+        what = f"mean ± s.d. over {n} prompts" if n > 1 else "1 prompt: no spread"
+        handles[f"{checkpoint}: {what}"] = Line2D([], [], color=colors[checkpoint], **MEAN_STYLE)
+    handles["one run (checkpoint, prompt)"] = Line2D([], [], color="0.4", **RUN_POINT_STYLE)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=3)
+    where = f"{len(runs)} runs, the same seed: the spread is the prompts'"
+    if spreads:  # a bar narrower than its marker is hidden: say how wide they get
+        where += f" (largest s.d. {max(spreads):.2g})"
+    fig.suptitle(f"{RUNS_TITLE}\n{where}")
     return fig
 
 
@@ -456,10 +455,10 @@ def _collapse_column(axes, key, table, blocks, train_frames, run_styles, layer_c
     distance_ax, share_ax, phase_ax = axes
     shares = []
     for (checkpoint, prompt), style in run_styles.items():
-        rows = _rows_of(
+        rows = policy_rows(
             table[(table["checkpoint"] == checkpoint) & (table["prompt"] == prompt)], key
         )
-        mine = _rows_of(
+        mine = policy_rows(
             blocks[(blocks["checkpoint"] == checkpoint) & (blocks["prompt"] == prompt)], key
         )
         if rows.empty:
@@ -503,31 +502,31 @@ def plot_closed_loop_collapse(
     *,
     blocks: pd.DataFrame | None = None,
     train_frames: int | None = None,
-    sink_threshold: float = 0.3,
+    sink_threshold: float = SINK_THRESHOLD,
     titles: bool = True,
 ) -> Figure:
-    """LoL's three collapse diagnostics against the latent frame, one column per rollout (the
-    full cache's included; rows of `COLLAPSE_COLUMNS`): `sink_distance` per frame (the stacked
-    frame tables, `read_deviation`); the share of sink heads (mass on the sink frames >=
-    `sink_threshold`) of each captured layer per block (`blocks`, the block table of
-    `analysis.diagnostics`), the mean over the captured passes (and the runs); the RoPE phase
-    concentration per block. One line per run (the policy's colour for a single run; several
-    runs: a colour and a dash each). Collapse candidates
-    (`sinkscope.diagnostics.collapse_candidates`, from the training length `train_frames` on, or
-    after the sink frames without it; the phase maxima from max(that, `PHASE_FROM`) on): a red
-    dashed line at each sink-distance dip and a purple dash-dotted one at each phase maximum,
-    across the column; a dotted line at the training length; a grey dashed line at each prompt
-    switch (where the blocks' `segment` changes). Without `titles` a single run is
-    not named (the caption names it)."""
+    """LoL's three collapse diagnostics against the latent frame, one column per rollout (the full
+    cache's included; rows of `COLLAPSE_COLUMNS`): `sink_distance` per frame (the stacked frame
+    tables, `read_deviation`); the share of sink heads (mass on the sink frames >=
+    `sink_threshold` times their uniform share, `stats.is_sink`) of each captured layer per
+    block (`blocks`, the block table of `analysis.diagnostics`), the mean over the captured
+    passes (and the runs); the RoPE phase concentration per block. One line per run (the
+    policy's colour for a single run; several runs: a colour and a dash each). Collapse
+    candidates (`sinkscope.diagnostics.collapse_candidates`, from the training length
+    `train_frames` on, or after the sink frames without it; the phase maxima from max(that,
+    `PHASE_FROM`) on): a red dashed line at each sink-distance dip and a purple dash-dotted one
+    at each phase maximum, across the column; a dotted line at the training length; a grey
+    dashed line at each prompt switch (where the blocks' `segment` changes). Without `titles` a
+    single run is not named (the caption names it)."""
     runs = closed_loop_runs(table, "frame table")
-    keys = _closed_loop_policies(table)
+    keys = policy_keys(table)
     if blocks is None:
         blocks = pd.DataFrame(columns=[*RUN_KEYS, "block", "first_frame", "frames", "layer"])
         blocks["phase_concentration"] = pd.Series(dtype=float)
     layers = sorted({int(layer) for layer in blocks["layer"].dropna()})
     shades = matplotlib.colormaps["viridis"](np.linspace(0, 0.85, len(layers)))
     layer_colors = dict(zip(layers, ["black"] if len(layers) == 1 else shades, strict=True))
-    names = _run_names(runs)
+    names = run_names(runs)
     dashes = ["-", "--", ":", "-."]
     ncols = min(len(keys), COLLAPSE_COLUMNS)
     groups = math.ceil(len(keys) / ncols)
@@ -552,11 +551,11 @@ def plot_closed_loop_collapse(
         _collapse_column(
             grid[:, column], key, table, blocks, train_frames, run_styles, layer_colors
         )
-        grid[0, column].set_title(textwrap.fill(_closed_loop_label(key), 26))
+        grid[0, column].set_title(textwrap.fill(rollout_label(*key), 26))
         switches = set()
         for checkpoint, prompt in runs if "segment" in blocks else []:
             run_rows = blocks[(blocks["checkpoint"] == checkpoint) & (blocks["prompt"] == prompt)]
-            switches |= set(switch_starts(_rows_of(run_rows, key)))
+            switches |= set(switch_starts(policy_rows(run_rows, key)))
         for frame in sorted(switches):
             for ax in grid[:, column]:
                 ax.axvline(frame, label="_switch", zorder=1, **SWITCH_STYLE)
@@ -601,17 +600,6 @@ SWITCH_STYLE = {"color": "0.35", "linewidth": 0.7, "linestyle": "--"}
 SWITCH_ROWS = 8  # (rollout, layer) rows drawn at most; the note names how many are left out
 
 
-def _switch_step(rows: pd.DataFrame) -> tuple[int, str]:
-    """The pass a rollout's switch panels show: its first captured denoising pass (t = 1000 by
-    default), else its first pass; with its label."""
-    passes = rows.drop_duplicates("step").sort_values("step")
-    denoise = passes[passes["pass_kind"] == "denoise"]
-    chosen = (denoise if not denoise.empty else passes).iloc[0]
-    kind = str(chosen["pass_kind"])
-    label = "cache pass (t=0)" if kind == "cache" else f"t={float(chosen['timestep']):g}"
-    return int(chosen["step"]), label if kind != "recache" else "recache pass (t=0)"
-
-
 @styled
 def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Figure:
     """Each head's mass on the sink frames (left) and on its own block (right) per query block,
@@ -634,8 +622,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     switching = table.groupby(["checkpoint", "prompt"])["segment"].transform("max") > 0
     shown = table[switching] if switching.any() else table
     groups = sorted(
-        shown.groupby(keys, sort=False),
-        key=lambda item: (*item[0][:2], policy_order(item[0][2]), *item[0][2:]),
+        run_groups(shown, keys), key=lambda item: (*run_sort_key(item[0][:9]), item[0][9])
     )
     left_out = len(groups) - SWITCH_ROWS
     groups = groups[:SWITCH_ROWS]
@@ -652,7 +639,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
     for (key, rows), row_axes in zip(groups, axes, strict=True):
         switches = switch_starts(rows)  # switch i starts segment i + 1
         marked |= bool(switches)
-        step, label = _switch_step(rows)
+        step, label = shown_pass(rows)
         drawn = rows[rows["step"] == step]
         for head, per_head in drawn.groupby("head"):
             per_head = per_head.sort_values("first_frame")
@@ -672,7 +659,7 @@ def plot_closed_loop_switches(table: pd.DataFrame, *, titles: bool = True) -> Fi
             ax.grid(axis="y", color="0.92", linewidth=0.4)
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
         run = f"{key[0]} · {key[1]} · " if len(runs) > 1 else ""
-        name = _closed_loop_label(_policy_key(*key[2:9]))
+        name = rollout_label(*policy_key(*key[2:9]))
         row_axes[0].set_ylabel(f"L{int(key[9])}: mass on\nthe sink frames")
         row_axes[1].set_ylabel("mass on the\nown block")
         row_axes[0].set_title(f"{run}{name} · L{int(key[9])} · {label}", loc="left")
@@ -697,4 +684,5 @@ TABLES = {
     "plot_closed_loop_recall": "summary",
     "plot_closed_loop_collapse": "deviation",
     "plot_closed_loop_switches": "switches",
+    "plot_closed_loop_deviation_runs": "summary",
 }

@@ -24,7 +24,7 @@ from matplotlib.collections import QuadMesh
 from matplotlib.colors import Colormap, LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogFormatter, MaxNLocator
+from matplotlib.ticker import FixedFormatter, FixedLocator, LogFormatter, MaxNLocator
 
 from sinkscope import frames
 from sinkscope.analysis import figures, stats
@@ -309,9 +309,16 @@ def panel_grid(fig: Figure, count: int, ncols: int, **subplot_kw) -> list[Axes]:
 
 
 def format_frame_axis(ax: Axes, num_frames: int, frame_axis: str, which: str = "x") -> None:
+    """Integer ticks over the frames' extent (`frame_edges`; the x limits set to it, a y axis
+    is left to its caller), at most about 6: those `MaxNLocator` gives for that extent, fixed
+    once, with their labels, instead of found again at every layout pass and draw (a tenth of
+    a frame map's drawing)."""
     edges = frame_edges(num_frames, frame_axis)
     axis = ax.xaxis if which == "x" else ax.yaxis
-    axis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    ticks = MaxNLocator(nbins=6, integer=True).tick_values(edges[0], edges[-1])
+    ticks = ticks[(ticks >= edges[0]) & (ticks <= edges[-1])]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FixedFormatter([f"{int(tick)}".replace("-", MINUS) for tick in ticks]))
     if which == "x":
         ax.set_xlim(edges[0], edges[-1])
 
@@ -394,7 +401,10 @@ class DecimalLogFormatter(LogFormatter):
     took a third of a map figure's drawing."""
 
     def __call__(self, x, pos=None) -> str:
-        return np.format_float_positional(x, trim="-") if super().__call__(x, pos) else ""
+        if not super().__call__(x, pos):
+            return ""
+        # A minor tick is decade x sub in floating point (0.30000000000000004): to 12 digits.
+        return np.format_float_positional(float(f"{x:.12g}"), trim="-")
 
 
 def add_colorbar(fig: Figure, mappable, axes, label: str) -> None:
@@ -402,6 +412,15 @@ def add_colorbar(fig: Figure, mappable, axes, label: str) -> None:
     if isinstance(mappable.norm, LogNorm):
         colorbar.formatter = DecimalLogFormatter()
         colorbar.minorformatter = DecimalLogFormatter()
+        # The ticks of the norm's range, found once instead of at every layout pass and draw
+        # (the same ticks: the range is fixed; the minor ones took a tenth of a frame map's time).
+        low, high = mappable.norm.vmin, mappable.norm.vmax
+        major = [tick for tick in colorbar.locator.tick_values(low, high) if low <= tick <= high]
+        minor = colorbar.minorlocator.tick_values(low, high)
+        colorbar.locator = FixedLocator(major)
+        colorbar.minorlocator = FixedLocator(
+            [tick for tick in minor if low <= tick <= high and tick not in major]
+        )
     colorbar.set_label(label)
     colorbar.outline.set_linewidth(0.5)
     # matplotlib rasterizes long colorbars; keep the file fully vector, and stroke every
@@ -414,6 +433,34 @@ def add_colorbar(fig: Figure, mappable, axes, label: str) -> None:
 def boxed(ax: Axes) -> None:
     for spine in ax.spines.values():
         spine.set_visible(True)
+
+
+# --------------------------------------------------------------------------------------------
+# numbers in text
+
+MINUS = "\N{MINUS SIGN}"  # as matplotlib writes negative tick labels
+
+
+def shared_decimals(values, significant: int = 3) -> int:
+    """The decimals that give the largest magnitude of `values` (NaN ignored) `significant`
+    significant figures: numbers printed side by side with them share one precision, so that
+    -4.08 and 0.000469 read -4.08 and 0.00 (not the small one at three figures of its own)."""
+    magnitudes = np.abs(np.asarray(values, dtype=np.float64).ravel())
+    magnitudes = magnitudes[np.isfinite(magnitudes) & (magnitudes > 0)]
+    if not magnitudes.size:
+        return significant - 1
+    return max(0, significant - 1 - math.floor(math.log10(float(magnitudes.max()))))
+
+
+def signed_number(value: float, decimals: int) -> str:
+    """`value` with its sign and `decimals` decimals: '+0.650', '−3.68' (a minus sign, as the
+    tick labels), '0.00' for what rounds to zero, 'nan'."""
+    if not np.isfinite(value):
+        return "nan"
+    text = f"{value:+.{decimals}f}"
+    if float(text) == 0:
+        return f"{0.0:.{decimals}f}"
+    return text.replace("-", MINUS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,10 +569,14 @@ def layer_head_panels(
     layer_list: Sequence[int],
     heads: Sequence[int],
     legend_rows: int = 0,
+    *,
+    cmap: Colormap | None = None,
+    norm: Normalize | None = None,
 ) -> tuple[Figure, list[Axes], QuadMesh]:
-    """One layer x head panel per (title, values) of `maps`, values (layer, head) on one 0..1
-    colour scale; layer 0 on top, head 0 on the left, NaN grey. Returns the figure, its panels
-    and the last mesh (for the colorbar)."""
+    """One layer x head panel per (title, values) of `maps`, values (layer, head) on one colour
+    scale (`cmap` and `norm`; default: the probability map from 0 to 1); layer 0 on top, head 0
+    on the left, NaN grey. Returns the figure, its panels and the last mesh (for the
+    colorbar)."""
     ncols, width, height = layer_head_geometry(len(layer_list), len(heads), len(maps))
     nrows = math.ceil(len(maps) / ncols)
     fig = Figure(
@@ -533,8 +584,9 @@ def layer_head_panels(
         layout="constrained",
     )
     axes = panel_grid(fig, len(maps), ncols, sharex=True, sharey=True)
-    cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
-    norm = Normalize(vmin=0.0, vmax=1.0)
+    if cmap is None:
+        cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    norm = Normalize(vmin=0.0, vmax=1.0) if norm is None else norm
     mesh = None
     for index, (ax, (title, values)) in enumerate(zip(axes, maps, strict=True)):
         mesh = draw_mesh(

@@ -36,6 +36,9 @@ from .common import (
     styled,
 )
 
+# The unit of a difference between two profiles of a measure (the prompts figure's spread).
+SPREAD_UNITS = {"logits": "logit", "probabilities": "mass"}
+
 
 def _runs_with_head(
     datasets: Sequence[xr.Dataset], layer: int, head: int
@@ -182,54 +185,75 @@ def plot_prompts(
     step: int = 0,
     titles: bool = True,
 ) -> Figure:
-    """For each head and checkpoint: thin line per prompt, mean over prompts, min-max band. A
-    checkpoint with one prompt has no spread: its one line is drawn alone ('1 prompt')."""
-
-    def draw_spread(ax: Axes, color, checkpoint: str, group: list[xr.Dataset], head: int) -> int:
-        per_prompt = _prompt_profiles(group, head, measure, step)
-        positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
-        if len(group) == 1:
-            ax.plot(
-                positions,
-                per_prompt.values[0],
-                color=color,
-                linewidth=1.4,
-                label=f"{checkpoint}: 1 prompt ({prompt_of(group[0])})",
-            )
-            return positions.shape[0]
-        for row in per_prompt.values:
-            ax.plot(positions, row, color=color, linewidth=0.4, alpha=0.6, label="_prompt")
-        ax.fill_between(
-            positions,
-            per_prompt.min("prompt", skipna=True).values,
-            per_prompt.max("prompt", skipna=True).values,
-            color=color,
-            alpha=0.15,
-            linewidth=0,
-        )
-        ax.plot(
-            positions,
-            per_prompt.mean("prompt", skipna=True).values,
-            color=color,
-            linewidth=1.4,
-            label=f"{checkpoint}: mean, min–max of {len(group)} prompts",
-        )
-        return positions.shape[0]
-
+    """For each head, two panels: above, per checkpoint the last-block profile averaged over its
+    prompts; below, on its own scale, each prompt's profile minus that mean (thin lines) and
+    their min-max band, so that the spread across prompts shows however small it is beside the
+    profile. A checkpoint with one prompt has no spread: its one line is drawn alone ('1
+    prompt'); when no checkpoint has two, the lower panels are left out."""
+    check_options(measure, frame_axis)
+    check_compare_inputs(datasets, heads)
+    checkpoints = list(dict.fromkeys(checkpoint_of(ds) for ds in datasets))
+    colors = dict(zip(checkpoints, series_colors(len(checkpoints)), strict=True))
     several = any(count > 1 for count in _prompts_per_checkpoint(datasets).values())
+    ncols = min(len(heads), 3)
+    head_rows = math.ceil(len(heads) / ncols)
+    panels_per_head = 2 if several else 1
+    fig = Figure(
+        figsize=(FULL_WIDTH_IN, (1.9 if several else 2.3) * panels_per_head * head_rows + 0.5),
+        layout="constrained",
+    )
+    grid = fig.subplots(panels_per_head * head_rows, ncols, squeeze=False, sharex="col")
+    for index in range(len(heads), head_rows * ncols):  # unused cells of the last row
+        for row in range(panels_per_head):
+            grid[panels_per_head * (index // ncols) + row, index % ncols].remove()
+    for index, (layer, head) in enumerate(heads):
+        row, column = divmod(index, ncols)
+        profile_ax = grid[panels_per_head * row, column]
+        spread_ax = grid[panels_per_head * row + 1, column] if several else None
+        num_frames = 1
+        for checkpoint, group in _runs_with_head(datasets, layer, head).items():
+            per_prompt = _prompt_profiles(group, head, measure, step)
+            mean = per_prompt.mean("prompt", skipna=True)
+            positions = key_frame_positions(per_prompt.sizes["key_frame"], frame_axis)
+            num_frames = max(num_frames, positions.shape[0])
+            color = colors[checkpoint]
+            label = (
+                f"{checkpoint}: 1 prompt ({prompt_of(group[0])})"
+                if len(group) == 1
+                else f"{checkpoint}: mean of {len(group)} prompts"
+            )
+            profile_ax.plot(positions, mean.values, color=color, marker="o", label=label)
+            if spread_ax is None or len(group) == 1:
+                continue
+            differences = per_prompt - mean
+            for values in differences.values:
+                spread_ax.plot(positions, values, color=color, linewidth=0.6, label="_prompt")
+            spread_ax.fill_between(
+                positions,
+                differences.min("prompt", skipna=True).values,
+                differences.max("prompt", skipna=True).values,
+                color=color,
+                alpha=0.2,
+                linewidth=0,
+            )
+        profile_ax.set_title(head_label(layer, head))
+        profile_ax.set_ylabel(PROFILE_LABELS[measure])
+        bottom = profile_ax
+        if spread_ax is not None:
+            spread_ax.axhline(0.0, color="0.5", linewidth=0.4)
+            spread_ax.set_ylabel(f"Prompt − mean ({SPREAD_UNITS[measure]})")
+            profile_ax.tick_params(labelbottom=False)
+            bottom = spread_ax
+        format_frame_axis(bottom, num_frames, frame_axis)
+        bottom.set_xlabel(KEY_AXIS_LABELS[frame_axis])
+    figure_legend(fig, min(len(checkpoints), 3))
     what = (
-        "Prompts: thin lines single prompts, band their min–max"
+        "Prompts: mean over prompts (upper), each prompt minus it with the min–max band (lower)"
         if several
         else "Prompts: one per checkpoint, no spread across prompts to show"
     )
-    return _checkpoint_series_figure(
-        datasets,
-        heads,
-        draw_spread,
-        measure=measure,
-        frame_axis=frame_axis,
-        title=_compare_heading(what, datasets, step, titles),
-    )
+    fig.suptitle(_compare_heading(what, datasets, step, titles))
+    return fig
 
 
 @styled

@@ -8,9 +8,11 @@ import math
 from collections.abc import Sequence
 
 import matplotlib
+import matplotlib.patheffects as patheffects
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 
 from .common import (
@@ -18,8 +20,10 @@ from .common import (
     add_colorbar,
     capital,
     figure_legend,
+    head_label,
     layer_head_panels,
     panel_grid,
+    signed_number,
     styled,
     timestep_label,
 )
@@ -30,6 +34,27 @@ POLICY_BUDGET_LABEL = "Budget B (latent frames kept)"
 POLICY_LAYER_PANELS = 6  # layers drawn by default: all up to this many, else evenly spaced
 UNIFORM_LABEL = "uniform attention (B / V)"
 IQR_ALPHA = 0.15
+RECALL_LIMITS = (-0.02, 1.04)  # the recall axis of every panel
+# A summary over heads hides the few heads a policy decides for (a median flat at 0.43 while one
+# sink head goes from 0 to 1): the sink sweep draws every head and names those whose recall
+# changes most with S, the recall figure each policy's worst head and names the one furthest
+# below its median.
+NAMED_HEADS = 3  # at most, per panel of the sink sweep
+NAMED_CHANGE = 0.05  # the least change of recall (a share of the attention) that names a head
+HEAD_COLOR = "0.55"  # every head, thin
+HEAD_LINE_WIDTH = 0.4
+# the named heads, off the policies' colours, one per head of the figure (repeating after six)
+NAMED_COLORS = ("#c51b7d", "#1b7837", "#762a83", "#8c510a", "#01665e", "#b2182b")
+NAMED_FONT_SIZE = 5.5
+LABEL_GAP = 0.075  # recall between two end labels at least: about their height
+LABEL_ROOM = 0.55  # the room right of the sweep for its end labels, in shares of its width
+LABEL_HALO = [patheffects.withStroke(linewidth=1.5, foreground="white")]
+EACH_HEAD_LABEL = (
+    f"each head; named: the {NAMED_HEADS} largest changes from S = 0 (at least {NAMED_CHANGE:g})"
+)
+WORST_HEAD_LABEL = (
+    f"thin: the head a policy keeps least of; named where {NAMED_CHANGE:g} or more below the median"
+)
 
 
 def _policy_run(table: pd.DataFrame) -> tuple[str, str]:
@@ -165,17 +190,21 @@ def _quartile_line(ax: Axes, x: np.ndarray, groups: Sequence[np.ndarray], label:
 
 
 def _policy_title(
-    rows: pd.DataFrame, step: int, what: str, quartiles: bool = True, titles: bool = True
+    rows: pd.DataFrame,
+    step: int,
+    what: str,
+    spread: str = "line: median over heads, band: quartiles",
+    titles: bool = True,
 ) -> str:
-    """Two lines: the run and what is drawn; the query block, its visible frames and the step.
-    Without `titles` the run and the step are left out."""
+    """Two lines: the run and what is drawn; the query block, its visible frames, the step and
+    what the lines show (`spread`). Without `titles` the run and the step are left out."""
     checkpoint, prompt = _policy_run(rows)
     first = rows.iloc[0]
     label = timestep_label(first["timestep"], first["pass_kind"])
     when = f" · step {int(step)} · {'cache pass' if label == 'cache' else label}"
     block = int(first["query_block"])
     visible = int(first["visible_frames"])
-    spread = " · line: median over heads, band: quartiles" if quartiles else ""
+    spread = f" · {spread}" if spread else ""
     run = f"{checkpoint} · {prompt} · " if titles else ""
     what = what if titles else capital(what)
     return (
@@ -185,7 +214,7 @@ def _policy_title(
 
 
 def _recall_axis(ax: Axes) -> None:
-    ax.set_ylim(-0.02, 1.04)
+    ax.set_ylim(*RECALL_LIMITS)
     ax.set_yticks([0.0, 0.25, 0.5, 0.75, 1.0])
     ax.grid(axis="y", color="0.9", linewidth=0.4)
     ax.set_axisbelow(True)
@@ -227,6 +256,125 @@ def _uniform_line(ax: Axes, x: Sequence[float], y: Sequence[float]) -> None:
     )
 
 
+def head_curves(rows: pd.DataFrame, x: str) -> pd.DataFrame:
+    """Each head's recall against the column `x` of `rows`: (layer, head) x values of `x`, in
+    order; NaN where a head has no row."""
+    curves = rows.pivot_table(index=["layer", "head"], columns=x, values="recall", aggfunc="first")
+    return curves.sort_index().sort_index(axis=1)
+
+
+def strongest_changes(
+    curves: pd.DataFrame, count: int = NAMED_HEADS, least: float = NAMED_CHANGE
+) -> list[tuple[tuple[int, int], float]]:
+    """((layer, head), change) of the up to `count` heads of `curves` (`head_curves`) whose
+    recall changes most from the first column to the last, by at least `least` either way;
+    the largest first, ties in (layer, head) order."""
+    change = (curves.iloc[:, -1] - curves.iloc[:, 0]).dropna()
+    change = change[change.abs() >= least]
+    order = change.abs().sort_values(ascending=False, kind="stable")
+    return [
+        ((int(layer), int(head)), float(change[(layer, head)]))
+        for layer, head in order.index[:count]
+    ]
+
+
+def named_colors(panels: Sequence[Sequence[tuple[tuple[int, int], float]]]) -> dict:
+    """A colour of NAMED_COLORS per head named in `panels` (`strongest_changes` of each): a
+    head keeps its colour in every panel, and the heads of one panel differ (a head takes the
+    first colour no other head of the panel where it is first named has)."""
+    colors: dict[tuple[int, int], str] = {}
+    for heads in panels:
+        for head, _ in heads:
+            if head not in colors:
+                taken = {colors[other] for other, _ in heads if other in colors}
+                free = [color for color in NAMED_COLORS if color not in taken]
+                colors[head] = free[0] if free else NAMED_COLORS[len(colors) % len(NAMED_COLORS)]
+    return colors
+
+
+def _head_lines(ax: Axes, curves: pd.DataFrame) -> None:
+    """Every head of `curves` as a thin grey line (one collection, '_each head'), over the
+    values it has."""
+    x = np.asarray(curves.columns, dtype=float)
+    segments = []
+    for values in curves.to_numpy(dtype=float):
+        finite = np.isfinite(values)
+        if finite.sum() > 1:
+            segments.append(np.column_stack([x[finite], values[finite]]))
+    ax.add_collection(
+        LineCollection(
+            segments,
+            colors=HEAD_COLOR,
+            linewidths=HEAD_LINE_WIDTH,
+            alpha=0.6,
+            zorder=1.5,
+            label="_each head",
+        ),
+        autolim=False,
+    )
+
+
+def spread_labels(
+    values: Sequence[float], gap: float, low: float = -math.inf, high: float = math.inf
+) -> list[float]:
+    """Heights for labels wanted at `values`, in the same order, moved apart to `gap` at least,
+    as little as the order allows (pushed up from the lowest, then down as a block where the
+    highest ran past the highest wanted), and kept within `low` .. `high` where they fit."""
+    order = np.argsort(values, kind="stable")
+    placed = np.asarray(values, dtype=float)[order]
+    for i in range(1, len(placed)):
+        placed[i] = max(placed[i], placed[i - 1] + gap)
+    overshoot = placed[-1] - max(values) if len(placed) else 0.0
+    if overshoot > 0:
+        placed -= overshoot / 2  # share the move between the top and the bottom
+    if len(placed):
+        placed += max(low - placed[0], 0.0) - max(placed[-1] - high, 0.0)
+    result = np.empty_like(placed)
+    result[order] = placed
+    return [float(v) for v in result]
+
+
+def _name_ends(ax: Axes, x: float, ends: Sequence[tuple[float, str, object]]) -> None:
+    """Texts (y, text, colour) right of `x`, at their y moved apart (`spread_labels`)."""
+    low, high = RECALL_LIMITS
+    heights = spread_labels([y for y, _, _ in ends], LABEL_GAP, low + LABEL_GAP / 2, high)
+    for (_, text, color), y in zip(ends, heights, strict=True):
+        ax.annotate(
+            text,
+            xy=(x, y),
+            xytext=(3, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            color=color,
+            fontsize=NAMED_FONT_SIZE,
+            annotation_clip=False,
+            path_effects=LABEL_HALO,  # readable over the lines it crosses
+        )
+
+
+def _worst_heads(ax: Axes, chosen: pd.DataFrame, median: np.ndarray, style: dict, label: str):
+    """The head with the least recall of `chosen` at each budget as a thin line in the policy's
+    colour and dash ('_worst: {label}'); returns (gap below `median`, budget, recall, (layer,
+    head)) where the gap is largest."""
+    rows = chosen.loc[chosen.groupby("budget")["recall"].idxmin()].sort_values("budget")
+    budgets = rows["budget"].to_numpy(dtype=float)
+    recall = rows["recall"].to_numpy(dtype=float)
+    ax.plot(
+        budgets,
+        recall,
+        color=style.get("color"),
+        linestyle=style.get("linestyle", "-"),
+        linewidth=0.6,
+        zorder=1.8,
+        label=f"_worst: {label}",
+    )
+    gaps = median - recall
+    at = int(np.argmax(gaps))
+    head = (int(rows["layer"].iloc[at]), int(rows["head"].iloc[at]))
+    return float(gaps[at]), float(budgets[at]), float(recall[at]), head
+
+
 @styled
 def plot_policy_recall(
     table: pd.DataFrame,
@@ -237,7 +385,10 @@ def plot_policy_recall(
 ) -> Figure:
     """Recall against budget of every policy of the recall table (Contract 5) at `step`, for the
     last query block: one panel per layer of `layers` (default `default_policy_layers`) and one
-    pooling the heads of every layer; a line is the median over heads, its band the quartiles."""
+    pooling the heads of every layer; a line is the median over heads, its band the quartiles,
+    and a thin line of the same colour the head the policy keeps least of at each budget; in
+    each panel the head furthest below its policy's median (by NAMED_CHANGE at least) is
+    named."""
     rows = policy_last_block(table, step)
     series = _policy_series(rows)
     styles = _policy_styles(series)
@@ -257,21 +408,40 @@ def plot_policy_recall(
             color="0.4",
             fontsize=5.5,
         )
+        worst = []  # (gap, budget, recall, head, colour) of each policy
         for policy, n, group in series:
             chosen = group[group["layer"].isin(pooled)]
             by_budget = [(int(b), g["recall"].to_numpy(float)) for b, g in chosen.groupby("budget")]
             if by_budget:
+                label = policy_label(policy, n)
+                style = styles[(policy, n)]
+                groups = [values for _, values in by_budget]
                 _quartile_line(
-                    ax,
-                    np.array([b for b, _ in by_budget], dtype=float),
-                    [values for _, values in by_budget],
-                    policy_label(policy, n),
-                    **styles[(policy, n)],
+                    ax, np.array([b for b, _ in by_budget], dtype=float), groups, label, **style
                 )
+                median = np.array([head_quartiles(values)[1] for values in groups])
+                worst.append((*_worst_heads(ax, chosen, median, style, label), style["color"]))
+        gap, budget, recall, head, color = max(worst, key=lambda item: item[0], default=(0,) * 5)
+        if gap >= NAMED_CHANGE:
+            # The name on the sides with room: above a low point, and left of a point in the
+            # right half (clear of the "V = ...: all kept" label at the foot of the V line).
+            low, right = recall < 0.5, budget > limit / 2
+            ax.annotate(
+                head_label(*head),
+                xy=(budget, recall),
+                xytext=(-2 if right else 2, 3 if low else -3),
+                textcoords="offset points",
+                ha="right" if right else "left",
+                va="bottom" if low else "top",
+                color=color,
+                fontsize=NAMED_FONT_SIZE,
+                path_effects=LABEL_HALO,
+            )
         _uniform_line(ax, [0, limit], [0, min(limit / visible, 1.0)])
         ax.set_title(title)
         ax.set_xlim(0, limit + 0.5)
         ax.set_xticks(sorted({*budgets, visible}))
+    axes[0].plot([], [], color="0.3", linewidth=0.6, label=WORST_HEAD_LABEL)  # legend only
     title = _policy_title(rows, step, "recall of KV-cache policies against budget", titles=titles)
     _finish_panels(fig, axes, ncols, POLICY_BUDGET_LABEL, title)
     return fig
@@ -289,8 +459,10 @@ def plot_policy_sinks(
     """The sink ablation: recall of `sink_window` against its sink frames S at one `budget`
     (default `default_policy_budget`), S = 0 being `window`, for the last query block at `step`:
     one panel per layer of `layers` (default `default_policy_layers`) and one pooling every
-    layer's heads, a line the median over heads with its quartile band. The medians of top_c and
-    its oracle at the same budget are horizontal references where the table has them."""
+    layer's heads, a line the median over heads with its quartile band, every head a thin grey
+    line, and the heads whose recall changes most from S = 0 (`strongest_changes`) in colour,
+    named with their change at the right. The medians of top_c and its oracle at the same budget
+    are horizontal references where the table has them."""
     rows = policy_last_block(table, step)
     budget = chosen_budget(rows, budget)
     visible = int(rows["visible_frames"].iloc[0])
@@ -312,9 +484,32 @@ def plot_policy_sinks(
         )
     ]
     fig, axes, panels, ncols = _layer_panels(rows, layers)
-    for ax, (title, pooled) in zip(axes, panels, strict=True):
+    curves = [head_curves(sweep[sweep["layer"].isin(pooled)], "sweep") for _, pooled in panels]
+    named = [strongest_changes(panel_curves) for panel_curves in curves]
+    colors = named_colors([named[-1], *named[:-1]])  # the pooled panel's strongest first
+    span = sink_values[-1] - sink_values[0] + 0.6
+    room = LABEL_ROOM * span if any(named) else 0.0  # the panels share x: room in all or none
+    for ax, (title, pooled), panel_curves, heads in zip(axes, panels, curves, named, strict=True):
         chosen = sweep[sweep["layer"].isin(pooled)]
         by_sink = [(int(s), g["recall"].to_numpy(float)) for s, g in chosen.groupby("sweep")]
+        _head_lines(ax, panel_curves)
+        ends = []
+        for head, change in heads:
+            color = colors[head]
+            values = panel_curves.loc[head]
+            ax.plot(
+                values.index.to_numpy(dtype=float),
+                values.to_numpy(dtype=float),
+                color=color,
+                linewidth=0.9,
+                marker="o",
+                markersize=1.8,
+                zorder=2.6,
+                label=f"_named {head_label(*head)}",
+            )
+            text = f"{head_label(*head)} {signed_number(change, 2)}"
+            ends.append((float(values.iloc[-1]), text, color))
+        _name_ends(ax, float(sink_values[-1]), ends)
         _quartile_line(
             ax,
             np.array([s for s, _ in by_sink], dtype=float),
@@ -334,7 +529,8 @@ def plot_policy_sinks(
         ax.set_title(title)
         ax.set_xticks(sink_values)
         ax.set_xticklabels([f"{s}\nwindow" if s == 0 else str(s) for s in sink_values])
-        ax.set_xlim(sink_values[0] - 0.3, sink_values[-1] + 0.3)
+        ax.set_xlim(sink_values[0] - 0.3, sink_values[-1] + 0.3 + room)
+    axes[0].plot([], [], color=HEAD_COLOR, linewidth=HEAD_LINE_WIDTH, label=EACH_HEAD_LABEL)
     what = f"recall against sink frames S at budget B = {budget}"
     title = _policy_title(rows, step, what, titles=titles)
     _finish_panels(fig, axes, ncols, "Sink frames S", title)
@@ -370,6 +566,6 @@ def plot_policy_map(
     ]
     fig, axes, mesh = layer_head_panels(maps, layer_list, heads)
     what = f"recall at budget B = {budget} latent frames, every head"
-    fig.suptitle(_policy_title(rows, step, what, quartiles=False, titles=titles))
+    fig.suptitle(_policy_title(rows, step, what, spread="", titles=titles))
     add_colorbar(fig, mesh, axes, RECALL_MAP_LABEL)
     return fig

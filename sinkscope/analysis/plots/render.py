@@ -13,12 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import pandas as pd
 import xarray as xr
 from matplotlib.figure import Figure
 
-from sinkscope.analysis import figures
+from sinkscope.analysis import figures, stats
 from sinkscope.analysis.closed_loop import read_closed_loop_summary, read_deviation
 from sinkscope.analysis.diagnostics import read_block_diagnostics
 from sinkscope.analysis.policies import read_policies
@@ -26,12 +25,11 @@ from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.analysis.switches import read_switch_table
 from sinkscope.video_metrics import read_video_metrics
 
-from . import closed_loop, compare, policy, run, survey, video
+from . import closed_loop, compare, policy, run, run_data, survey, survey_data, video
 from .common import (
     by_layer,
     check_options,
     checkpoint_of,
-    color_limits,
     layer_of,
     prompt_of,
     save_figure,
@@ -86,8 +84,8 @@ def render_figures(
     frame_axis: str = "latent",
     step: int = 0,
     attention_stores: Sequence[str | os.PathLike] = (),
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    recent_threshold: float = stats.RECENT_THRESHOLD,
     policy_tables: Sequence[str | os.PathLike] = (),
     policy_budget: int | None = None,
     policy_layers: Sequence[int] | None = None,
@@ -114,7 +112,8 @@ def render_figures(
     when none is given; `survey_spatial` needs the stores. `figure_layers` and `survey_layers`,
     when given, pick the frame datasets the other figures and the survey figures show, so that
     one call draws a run's figures and its survey from one list. `sink_threshold` and
-    `recent_threshold` are the statistics' (head class, sink rate). Policy figures draw the recall
+    `recent_threshold` are the statistics' (`stats.is_sink`: the head class, the sink rate and
+    every survey figure that says sink). Policy figures draw the recall
     tables `policy_tables` (Contract 5) of one run, at step `step`, with `policy_budget` (the sink
     sweep and map; default `default_policy_budget`) and `policy_layers` (default
     `default_policy_layers`); they need no frame dataset. Closed-loop figures draw the
@@ -139,7 +138,7 @@ def render_figures(
     is written.
     """
     check_options(measure, frame_axis)
-    run.check_annotate(annotate)
+    run_data.check_annotate(annotate)
     plan = [(Path(out), *figures.parse_figure_path(out)) for out in outputs]
     kinds = [kind for _, kind, _, _ in plan]
     datasets = [open_frame_dataset(path) for path in frame_stores]
@@ -168,21 +167,21 @@ def render_figures(
         policy.chosen_layers(rows, policy_layers)
     if any(kind.scope in ("layer", "run") for kind in kinds):
         layers = by_layer(shown)
-        run.check_run_heads(layers, heads)
+        run_data.check_run_heads(layers, heads)
     if any(kind.scope == "compare" and not kind.surveyed for kind in kinds):
         compare.check_compare_inputs(_datasets_for("heads", shown, heads), heads)
     if any(kind.surveyed for kind in kinds):
-        survey_data = _survey_datasets(_of_layers(datasets, survey_layers), attention)
-        runs = survey.survey_runs(survey_data)
+        survey_datasets = _survey_datasets(_of_layers(datasets, survey_layers), attention)
+        runs = survey_data.survey_runs(survey_datasets)
     statistics = None  # the survey figures' builders compute it themselves when None
     if any(kind.scope == "survey" for kind in kinds):
         if len(runs) > 1:
             raise ValueError(f"survey figures show one run, got {list(runs)}")
         surveyed = next(iter(runs.values()))
         if attention or any("attention" in _accepted(kind) for kind in kinds):
-            survey.attention_by_layer(attention, surveyed)
+            survey_data.attention_by_layer(attention, surveyed)
         # Once for all of the run's survey figures (each would compute it again).
-        statistics = survey.survey_statistics(
+        statistics = survey_data.survey_statistics(
             list(surveyed.values()),
             sink_threshold=sink_threshold,
             recent_threshold=recent_threshold,
@@ -203,23 +202,22 @@ def render_figures(
         "titles": bool(titles),
         "statistics": statistics,
     }
-    scales: dict[str, tuple[float, float]] = {}
+    scales: dict[str, dict[str, tuple[float, float]]] = {}
     written = []
     for path, kind, layer, fmt in plan:
         kwargs = {name: value for name, value in options.items() if name in _accepted(kind)}
-        if shared_scale and kind.family == "run" and kind.function in run.SHARED_SCALES:
-            if kind.builder not in scales:
-                drawn = run.SHARED_SCALES[kind.function]
-                values = [drawn(ds, measure, step) for ds in layers.values()]
-                pooled = np.concatenate([np.ravel(v) for v in values])
-                scales[kind.builder] = color_limits(pooled, measure)
+        if shared_scale and kind.family == "run" and kind.function in run_data.SHARED_SCALES:
+            if kind.builder not in scales:  # per measure: the headline maps draw both
+                scales[kind.builder] = run_data.shared_color_limits(
+                    kind.function, layers.values(), step
+                )
             kwargs["color_limits"] = scales[kind.builder]
         if kind.scope == "layer":
             if layer not in layers:
                 raise ValueError(f"{path}: no frame dataset of layer {layer} given")
             data = layers[layer]
         elif kind.surveyed:
-            data = survey_data
+            data = survey_datasets
         elif kind.scope == "policies":
             data = table
         elif kind.scope == "closed_loop":

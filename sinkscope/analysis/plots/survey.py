@@ -1,36 +1,40 @@
 """The whole-model survey's figures (`survey` scope, and the `compare` kind of surveyed layers):
 every layer and head of one run, from the frame datasets of every surveyed layer and, where a
 figure looks inside frame 0, their attention stores (Contract 4). Sinks are probability mass (Gu
-et al.): the statistics' `last_block` prob_mass rows (Contract 3).
+et al.): the statistics' `last_block` prob_mass rows (Contract 3), and a sink is what
+`stats.is_sink` says it is (first-frame mass at least `sink_threshold` times its uniform share,
+the `uniform_multiple` column) in every figure here: colours, markers, rates and the heads shown.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import matplotlib
 import numpy as np
 import pandas as pd
 import xarray as xr
 from matplotlib.axes import Axes
 from matplotlib.collections import QuadMesh
+from matplotlib.colors import Colormap, LogNorm, Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, NullFormatter
 
 from sinkscope.analysis import stats
 
 from .common import (
     COLUMN_WIDTH_IN,
     FULL_WIDTH_IN,
+    PROBABILITY_CMAP,
+    UNSEEN_COLOR,
+    DecimalLogFormatter,
     add_colorbar,
     boxed,
-    by_layer,
     capital,
     checkpoint_of,
-    color_scale,
     common_steps,
-    describe,
     draw_mesh,
     head_label,
     layer_head_geometry,
@@ -44,66 +48,32 @@ from .common import (
     steps_title,
     styled,
 )
+from .survey_data import (
+    attention_by_layer,
+    first_frame_image,
+    last_block_visible_frames,
+    layer_head_values,
+    statistics_of,
+    strongest_sinks,
+    survey_layers,
+    survey_runs,
+    survey_statistics,
+    uniform_entropy,
+    visible_tokens,
+)
 
-SURVEY_MEASURE = "prob_mass"  # sinks are probability mass (Gu et al.)
 FIRST_FRAME_LABEL = "First-frame probability mass"
-IMPORTANCE_LABEL = "Importance of frame 0"
-TOKEN_MASS_LABEL = "Probability mass per key token"
+MULTIPLE_LABEL = "First-frame mass ÷ uniform share (×)"
+TOKEN_MULTIPLE_LABEL = "Per key token (× uniform share)"
+ENTROPY_LABEL = "Entropy (nats)"
 HEAD_CLASS_MARKERS = {"sink": "o", "recent": "^"}  # spread: no marker
+HEAD_CLASS_COLORS = {"sink": "tab:red", "recent": "tab:blue", "spread": "0.6"}
+MULTIPLE_CMAP = "RdBu_r"  # below the uniform share blue, at it white, above it red
+ENTROPY_CMAP = "viridis"
 SPATIAL_COLUMNS = 4
 SINK_RATE_DODGE = 0.08  # layers between the markers of consecutive steps
-
-
-def survey_statistics(
-    datasets: Sequence[xr.Dataset], *, sink_threshold: float = 0.3, recent_threshold: float = 0.5
-) -> pd.DataFrame:
-    """The per-head `last_block` prob_mass rows of the statistics CSV (`stats.frame_statistics`,
-    Contract 3; `stats.per_head`: no head = mean rows) of every layer of one run, stacked: one
-    row per (layer, head, step)."""
-    tables = [
-        stats.per_head(
-            stats.frame_statistics(
-                ds, "last_block", sink_threshold=sink_threshold, recent_threshold=recent_threshold
-            )
-        )
-        for ds in by_layer(datasets).values()
-    ]
-    table = pd.concat(tables, ignore_index=True)
-    return table[table["measure"] == SURVEY_MEASURE].reset_index(drop=True)
-
-
-def statistics_of(
-    layers: dict[int, xr.Dataset],
-    statistics: pd.DataFrame | None,
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
-) -> pd.DataFrame:
-    """`statistics` when the caller has it (`render_figures` computes the `survey_statistics` of
-    a run once, at its thresholds, for all of the run's survey figures), else computed here. The
-    columns a figure reads of it do not depend on thresholds that figure does not take."""
-    if statistics is not None:
-        return statistics
-    return survey_statistics(
-        list(layers.values()), sink_threshold=sink_threshold, recent_threshold=recent_threshold
-    )
-
-
-def _survey_layers(datasets: Sequence[xr.Dataset]) -> dict[int, xr.Dataset]:
-    """The layers of one run, which must share their captured steps (and their timesteps)."""
-    layers = by_layer(datasets)
-    first = next(iter(layers.values()))
-    for ds in layers.values():
-        if not (
-            np.array_equal(ds["step"].values, first["step"].values)
-            and np.array_equal(ds["timestep"].values, first["timestep"].values)
-        ):
-            raise ValueError(
-                f"surveyed layers must share their steps: {describe(ds)} has steps "
-                f"{ds['step'].values.tolist()} at timesteps {ds['timestep'].values.tolist()}, "
-                f"{describe(first)} {first['step'].values.tolist()} at "
-                f"{first['timestep'].values.tolist()}"
-            )
-    return layers
+MULTIPLE_FLOOR = 1e-4  # a log axis of multiples: smaller ones (0 among them) drawn at it
+NAMED_HEADS = 4  # a head class of at most this many heads names them in the legend
 
 
 def _survey_title(layers: dict[int, xr.Dataset], what: str, titles: bool = True) -> str:
@@ -116,34 +86,65 @@ def _step_panel_title(ds: xr.Dataset, step: int) -> str:
     return f"step {int(step)} · {step_title(ds, step)}"
 
 
-def _layer_head_values(
-    table: pd.DataFrame, column: str, step: int, layers: Sequence[int], heads: Sequence[int]
-) -> np.ndarray:
-    """(layer, head) array of one statistics column at `step`; NaN where a head is missing."""
-    rows = table[table["step"] == int(step)]
-    grid = rows.pivot(index="layer", columns="head", values=column)
-    return grid.reindex(index=list(layers), columns=list(heads)).to_numpy(dtype=float)
-
-
 def _layer_head_maps(
     layers: dict[int, xr.Dataset],
     table: pd.DataFrame,
     column: str,
     legend_rows: int = 0,
+    scale: tuple[Colormap, Normalize] | None = None,
+    shown: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[Figure, list[Axes], list[int], list[int], QuadMesh]:
-    """One layer x head map of `column` per captured step, on one 0..1 colour scale; layer 0 on
-    top, head 0 on the left, NaN grey. Returns the figure, its panels, their steps and heads,
-    and the last mesh (for the colorbar)."""
+    """One layer x head map of `column` per captured step, on one colour scale (`scale`: colour
+    map and norm; default 0..1), the values passed through `shown` (e.g. clipped to the scale);
+    layer 0 on top, head 0 on the left, NaN grey. Returns the figure, its panels, their steps and
+    heads, and the last mesh (for the colorbar)."""
     first = next(iter(layers.values()))
     steps = [int(step) for step in first["step"].values]
     heads = sorted({int(head) for ds in layers.values() for head in ds["head"].values})
     layer_list = list(layers)
-    maps = [
-        (_step_panel_title(first, step), _layer_head_values(table, column, step, layer_list, heads))
-        for step in steps
-    ]
-    fig, axes, mesh = layer_head_panels(maps, layer_list, heads, legend_rows)
+    maps = []
+    for step in steps:
+        values = layer_head_values(table, column, step, layer_list, heads)
+        maps.append((_step_panel_title(first, step), values if shown is None else shown(values)))
+    cmap, norm = scale if scale is not None else (None, None)
+    fig, axes, mesh = layer_head_panels(maps, layer_list, heads, legend_rows, cmap=cmap, norm=norm)
     return fig, axes, steps, heads, mesh
+
+
+def multiple_scale(visible_frames: int) -> tuple[Colormap, LogNorm]:
+    """The colour scale of a first-frame mass over its uniform share: log, from 1 / V to V (V =
+    `visible_frames`, at least 2: all mass on one of V frames is V times its share), white at 1
+    (uniform), red above (toward a sink), blue below; NaN grey. The same in every run of a
+    geometry, so that colours compare across runs and checkpoints."""
+    top = float(max(int(visible_frames), 2))
+    cmap = matplotlib.colormaps[MULTIPLE_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    return cmap, LogNorm(vmin=1.0 / top, vmax=top)
+
+
+def clipped_to(norm: Normalize) -> Callable[[np.ndarray], np.ndarray]:
+    """Values clipped into `norm`'s range (NaN kept): a multiple below 1 / V (0 included, which
+    a log scale cannot draw) shows as 1 / V."""
+
+    def clip(values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=float)
+        return np.where(np.isfinite(values), np.clip(values, norm.vmin, norm.vmax), np.nan)
+
+    return clip
+
+
+def add_threshold_colorbar(fig: Figure, mesh: QuadMesh, axes, label: str, threshold: float):
+    """The colour bar of a map of multiples of the uniform share (`multiple_scale`): ticks at
+    its ends, the decades between, the uniform share (1, dotted) and the sink threshold (a black
+    line, labelled)."""
+    add_colorbar(fig, mesh, axes, label)
+    colorbar = mesh.colorbar
+    low, high = mesh.norm.vmin, mesh.norm.vmax
+    decades = [10.0**k for k in range(math.ceil(math.log10(low)), math.floor(math.log10(high)) + 1)]
+    ticks = sorted({low, high, *decades, *([threshold] if low <= threshold <= high else [])})
+    colorbar.set_ticks(ticks, labels=[f"{tick:.2g}" for tick in ticks])
+    colorbar.ax.yaxis.set_minor_formatter(NullFormatter())
+    colorbar.ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle=":")
+    colorbar.ax.axhline(threshold, color="black", linewidth=1.2)
 
 
 @styled
@@ -156,7 +157,7 @@ def plot_survey_first_frame(
     """Layer x head map of the last block's mass on its first key frame (the `first` statistic of
     the `last_block` prob_mass profile), one panel per captured step. `statistics`: see
     `statistics_of`."""
-    layers = _survey_layers(datasets)
+    layers = survey_layers(datasets)
     table = statistics_of(layers, statistics)
     fig, axes, _, _, mesh = _layer_head_maps(layers, table, "first")
     what = "last block's mass on the first key frame, every layer"
@@ -169,38 +170,32 @@ def plot_survey_first_frame(
 def plot_survey_head_class(
     datasets: Sequence[xr.Dataset],
     *,
-    sink_threshold: float = 0.3,
-    recent_threshold: float = 0.5,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    recent_threshold: float = stats.RECENT_THRESHOLD,
     titles: bool = True,
     statistics: pd.DataFrame | None = None,
 ) -> Figure:
-    """Layer x head map of Gu et al.'s importance of frame 0, one panel per captured step, each
-    cell marked with its head class (statistics column `head_class`): sink o, recent ^, spread
-    unmarked. `statistics`: see `statistics_of`."""
-    layers = _survey_layers(datasets)
+    """Layer x head map of the last block's first-frame mass over its uniform share (statistics
+    column `uniform_multiple`, the sink definition's score) on `multiple_scale`, one panel per
+    captured step, each cell marked with its head class (`head_class`, from the same column):
+    sink o, recent ^, spread unmarked. A circle sits exactly on the cells at or above the
+    threshold on the colour bar. `statistics`: see `statistics_of`."""
+    layers = survey_layers(datasets)
     table = statistics_of(layers, statistics, sink_threshold, recent_threshold)
-    fig, axes, steps, heads, mesh = _layer_head_maps(layers, table, "importance", legend_rows=1)
+    cmap, norm = multiple_scale(last_block_visible_frames(list(layers.values())))
+    fig, axes, steps, heads, mesh = _layer_head_maps(
+        layers, table, "uniform_multiple", 1, (cmap, norm), clipped_to(norm)
+    )
     layer_list = list(layers)
-    _, width, height = layer_head_geometry(len(layer_list), len(heads), len(steps))
-    cell_pt = 72 * min(width / len(heads), height / len(layer_list))
-    size = max(0.35 * cell_pt, 1.0) ** 2
-    style = {"facecolor": "white", "edgecolor": "black", "linewidths": 0.3}
-    for ax, step in zip(axes, steps, strict=True):
-        classes = table[table["step"] == step]
-        for name, marker in HEAD_CLASS_MARKERS.items():
-            cells = classes[classes["head_class"] == name]
-            ax.scatter(
-                [heads.index(int(h)) for h in cells["head"]],
-                [layer_list.index(int(layer)) for layer in cells["layer"]],
-                s=size,
-                marker=marker,
-                label=name,
-                **style,
-            )
+    _mark_head_classes(axes, steps, table, layer_list, heads)
     marker_style = {"linestyle": "", "markerfacecolor": "white", "markeredgecolor": "black"}
     handles = [
         Line2D(
-            [], [], marker="o", label=f"sink: first-frame mass ≥ {sink_threshold:g}", **marker_style
+            [],
+            [],
+            marker="o",
+            label=f"sink: {stats.sink_definition(sink_threshold)}",
+            **marker_style,
         ),
         Line2D(
             [],
@@ -212,71 +207,105 @@ def plot_survey_head_class(
         Line2D([], [], marker="", label="spread: no marker", **marker_style),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, title="Head class")
-    what = "importance of frame 0 and head class, every layer"
+    what = "last block's first-frame mass over its uniform share, and head class, every layer"
     fig.suptitle(_survey_title(layers, what, titles))
-    add_colorbar(fig, mesh, axes, IMPORTANCE_LABEL)
+    add_threshold_colorbar(fig, mesh, axes, MULTIPLE_LABEL, sink_threshold)
     return fig
 
 
-def _sink_rate_axes(ax: Axes, sink_threshold: float, title: str) -> None:
-    """The axes of a sink rate per layer: rates 0..1, integer layers."""
+def _mark_head_classes(
+    axes: Sequence[Axes],
+    steps: Sequence[int],
+    table: pd.DataFrame,
+    layer_list: Sequence[int],
+    heads: Sequence[int],
+) -> None:
+    """The head class markers (`HEAD_CLASS_MARKERS`) on layer x head panels, one per step."""
+    _, width, height = layer_head_geometry(len(layer_list), len(heads), len(steps))
+    cell_pt = 72 * min(width / len(heads), height / len(layer_list))
+    size = max(0.35 * cell_pt, 1.0) ** 2
+    style = {"facecolor": "white", "edgecolor": "black", "linewidths": 0.3}
+    for ax, step in zip(axes, steps, strict=True):
+        classes = table[table["step"] == step]
+        for name, marker in HEAD_CLASS_MARKERS.items():
+            cells = classes[classes["head_class"] == name]
+            ax.scatter(
+                [list(heads).index(int(h)) for h in cells["head"]],
+                [list(layer_list).index(int(layer)) for layer in cells["layer"]],
+                s=size,
+                marker=marker,
+                label=name,
+                **style,
+            )
+
+
+def _sink_rate_axes(ax: Axes, layers: Sequence[int], sink_threshold: float, title: str) -> None:
+    """The axes of a sink rate per layer: rates 0..1, integer layers, a faint rule between
+    layers (each layer's markers sit in its own slot: nothing joins them across layers)."""
+    low, high = min(layers), max(layers)
     ax.set_ylim(-0.04, 1.04)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.set_xticks(np.arange(low, high) + 0.5, minor=True)  # the rules between layers' slots
+    ax.tick_params(axis="x", which="minor", length=0)
+    ax.grid(axis="x", which="minor", color="0.9", linewidth=0.5)
+    ax.set_axisbelow(True)
+    ax.set_xlim(low - 0.5, high + 0.5)
     ax.set_xlabel("Layer (0-based)")
-    ax.set_ylabel(f"Sink rate (importance ≥ {sink_threshold:g})")
-    ax.set_title(title)
+    ax.set_ylabel("Sink rate (share of heads)")
+    ax.set_title(f"{title}\nsink: {stats.sink_definition(sink_threshold)}")
+
+
+def _rate_markers(ax: Axes, rows: pd.DataFrame, shift: float, **style) -> None:
+    """One marker per layer of `rows` (a run's sink rates at one step), shifted sideways by
+    `shift` layers, joined by no line: the rates of different layers are separate numbers."""
+    ax.plot(
+        rows["layer"].to_numpy(dtype=float) + shift,
+        rows["sink_rate"].to_numpy(dtype=float),
+        linestyle="none",
+        markersize=4,
+        **style,
+    )
 
 
 @styled
 def plot_survey_sink_rate(
     datasets: Sequence[xr.Dataset],
     *,
-    sink_threshold: float = 0.3,
+    sink_threshold: float = stats.SINK_THRESHOLD,
     titles: bool = True,
     statistics: pd.DataFrame | None = None,
 ) -> Figure:
-    """Sink rate per layer (`stats.sink_rates`: the share of heads whose importance of frame 0 is
-    at least `sink_threshold`), one line per captured step. `statistics`: see `statistics_of`."""
-    layers = _survey_layers(datasets)
+    """Sink rate per layer (`stats.sink_rates`: the share of heads whose first-frame mass is at
+    least `sink_threshold` times its uniform share, as head_class), one marker per layer and
+    captured step, no lines. `statistics`: see `statistics_of`."""
+    layers = survey_layers(datasets)
     table = statistics_of(layers, statistics, sink_threshold)
     rates = stats.sink_rates(table, sink_threshold)
     steps = common_steps(list(layers.values()))
     colors = step_colors([label for _, label in steps])
     fig = Figure(
-        figsize=(min(max(COLUMN_WIDTH_IN, 0.12 * len(layers) + 2.2), FULL_WIDTH_IN), 2.4),
+        figsize=(min(max(COLUMN_WIDTH_IN, 0.12 * len(layers) + 2.2), FULL_WIDTH_IN), 2.5),
         layout="constrained",
     )
     ax = fig.add_subplot()
     # Rates are multiples of 1/heads, so steps often coincide: each step's markers sit shifted
-    # sideways by SINK_RATE_DODGE layers from the next, centred on the layer.
+    # sideways by up to SINK_RATE_DODGE layers from the next, within the layer's slot.
+    dodge = min(SINK_RATE_DODGE, 0.8 / max(len(steps), 1))
     for i, (step, label) in enumerate(steps):
         rows = rates[rates["step"] == step].sort_values("layer")
-        shift = (i - (len(steps) - 1) / 2) * SINK_RATE_DODGE
-        ax.plot(
-            rows["layer"].to_numpy(dtype=float) + shift,
-            rows["sink_rate"].to_numpy(dtype=float),
+        _rate_markers(
+            ax,
+            rows,
+            (i - (len(steps) - 1) / 2) * dodge,
             color=colors[label],
-            linestyle="--" if label == "cache" else "-",
-            linewidth=0.8,
-            marker="o",
+            marker="s" if label == "cache" else "o",
             label=label,
         )
-    _sink_rate_axes(ax, sink_threshold, "Share of heads that are sinks, per layer")
+    _sink_rate_axes(ax, list(layers), sink_threshold, "Share of heads that are sinks, per layer")
     fig.legend(loc="outside right upper", title="Step")
     num_heads = len(next(iter(layers.values()))["head"])
     fig.suptitle(_survey_title(layers, f"{num_heads} heads per layer", titles))
     return fig
-
-
-def survey_runs(datasets: Sequence[xr.Dataset]) -> dict[tuple[str, str], dict[int, xr.Dataset]]:
-    """The datasets grouped by (checkpoint, prompt) in order of appearance, each run's layers
-    sorted and sharing their steps."""
-    runs: dict[tuple[str, str], list[xr.Dataset]] = {}
-    for ds in datasets:
-        runs.setdefault((checkpoint_of(ds), prompt_of(ds)), []).append(ds)
-    if not runs:
-        raise ValueError("no frame datasets given")
-    return {run: _survey_layers(group) for run, group in runs.items()}
 
 
 SURVEY_RUN_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
@@ -286,12 +315,12 @@ SURVEY_RUN_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 def plot_survey_sink_rate_runs(
     datasets: Sequence[xr.Dataset],
     *,
-    sink_threshold: float = 0.3,
+    sink_threshold: float = stats.SINK_THRESHOLD,
     step: int = 0,
     titles: bool = True,
 ) -> Figure:
-    """Sink rate per layer at `step`, one line per surveyed run: colour by checkpoint, marker by
-    prompt."""
+    """Sink rate per layer at `step`, one marker per layer and surveyed run (no lines): colour
+    by checkpoint, marker by prompt."""
     runs = survey_runs(datasets)
     checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
     prompts = list(dict.fromkeys(prompt for _, prompt in runs))
@@ -299,100 +328,32 @@ def plot_survey_sink_rate_runs(
     markers = {
         prompt: SURVEY_RUN_MARKERS[i % len(SURVEY_RUN_MARKERS)] for i, prompt in enumerate(prompts)
     }
-    fig = Figure(figsize=(FULL_WIDTH_IN, 2.6), layout="constrained")
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.7), layout="constrained")
     ax = fig.add_subplot()
-    dodge = min(SINK_RATE_DODGE, 0.5 / len(runs))
+    dodge = min(SINK_RATE_DODGE, 0.8 / len(runs))
+    surveyed: set[int] = set()
     for i, ((checkpoint, prompt), layers) in enumerate(runs.items()):
         for ds in layers.values():
             select_step(ds, step)
         table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
         rates = stats.sink_rates(table, sink_threshold)
         rows = rates[rates["step"] == int(step)].sort_values("layer")
-        ax.plot(
-            rows["layer"].to_numpy(dtype=float) + (i - (len(runs) - 1) / 2) * dodge,
-            rows["sink_rate"].to_numpy(dtype=float),
+        surveyed |= set(layers)
+        _rate_markers(
+            ax,
+            rows,
+            (i - (len(runs) - 1) / 2) * dodge,
             color=colors[checkpoint],
-            linewidth=0.8,
             marker=markers[prompt],
             label=f"{checkpoint} · {prompt}",
         )
     _sink_rate_axes(
-        ax, sink_threshold, "Share of heads that are sinks, per layer, every surveyed run"
+        ax, sorted(surveyed), sink_threshold, "Share of heads that are sinks, per layer, every run"
     )
     fig.legend(loc="outside right upper", title="Checkpoint · prompt")
     when = f" · step {int(step)} · {steps_title(datasets, step)}" if titles else ""
     fig.suptitle(f"Survey sink rates{when}")
     return fig
-
-
-def _position(ds: xr.Dataset, dim: str, label: int) -> int:
-    return [int(value) for value in ds[dim].values].index(int(label))
-
-
-def _pick(array: xr.DataArray, dim: str, label: int, position: int) -> xr.DataArray:
-    """Select by label where the store labels `dim`, else by position (step and head are plain
-    indices in the stores)."""
-    return array.sel({dim: label}) if dim in array.coords else array.isel({dim: position})
-
-
-def first_frame_image(store: xr.Dataset, ds: xr.Dataset, head: int, step: int) -> np.ndarray:
-    """(H', W') image of where in latent frame 0 a head's last block attends: the attention
-    store's `key_mass` on frame 0's tokens at `step`, averaged over the last block's query frames
-    of the frame dataset `ds` (`stats.query_profile`: NaN where one of them cannot see it).
-    Reads only that step, head, those query frames and the first T key tokens."""
-    tokens = int(store.attrs["frame_seq_length"])
-    _, height, width = (int(n) for n in store.attrs["latent_grid"])
-    queries = ds["query_frame"].values[stats.last_block_rows(ds)]
-    mass = _pick(store["key_mass"], "step", step, _position(ds, "step", step))
-    mass = _pick(mass, "head", head, _position(ds, "head", head))
-    mass = mass.sel(query_frame=queries).isel(key_token=slice(0, tokens))
-    values = mass.transpose("query_frame", "key_token").values
-    return stats.query_profile(values, range(len(queries))).reshape(height, width)
-
-
-def strongest_sinks(table: pd.DataFrame, step: int, top: int) -> pd.DataFrame:
-    """The `top` (layer, head)s of `survey_statistics` with the largest first-frame mass at
-    `step`, largest first (ties: lower layer, then lower head); heads without one are left out."""
-    rows = table[(table["step"] == int(step)) & np.isfinite(table["first"].astype(float))]
-    ordered = rows.assign(order=-rows["first"].astype(float)).sort_values(
-        ["order", "layer", "head"], kind="stable"
-    )
-    return ordered.head(int(top))[["layer", "head", "first"]].reset_index(drop=True)
-
-
-def attention_by_layer(
-    attention: Sequence[xr.Dataset], layers: dict[int, xr.Dataset]
-) -> dict[int, xr.Dataset]:
-    """The attention stores by layer; each must belong to the run of `layers` and hold a layer of
-    it, and every layer needs its store."""
-    first = next(iter(layers.values()))
-    run = (checkpoint_of(first), prompt_of(first))
-    stores: dict[int, xr.Dataset] = {}
-    for store in attention:
-        layer = int(store.attrs["layer"])
-        where = f"attention store {store.attrs['checkpoint']}/{store.attrs['prompt']}/layer{layer}"
-        if (str(store.attrs["checkpoint"]), str(store.attrs["prompt"])) != run:
-            raise ValueError(f"{where} is not of the run {run[0]}/{run[1]}")
-        if layer in stores:
-            raise ValueError(f"{where} given twice")
-        if layer not in layers:
-            raise ValueError(f"{where} has no frame dataset (layers: {list(layers)})")
-        stores[layer] = store
-    missing = [layer for layer in layers if layer not in stores]
-    if missing:
-        raise ValueError(
-            f"the survey figure needs the attention store of every surveyed layer; "
-            f"{run[0]}/{run[1]} lacks layers {missing}"
-        )
-    for layer, store in stores.items():
-        ds = layers[layer]
-        if not np.allclose(store["timestep"].values, ds["timestep"].values):
-            raise ValueError(
-                f"attention store of {describe(ds)} has timesteps "
-                f"{store['timestep'].values.tolist()}, its frame dataset "
-                f"{ds['timestep'].values.tolist()}"
-            )
-    return stores
 
 
 @styled
@@ -402,40 +363,62 @@ def plot_survey_spatial(
     attention: Sequence[xr.Dataset] = (),
     step: int = 0,
     top: int = 8,
+    sink_threshold: float = stats.SINK_THRESHOLD,
     titles: bool = True,
     statistics: pd.DataFrame | None = None,
 ) -> Figure:
-    """Where in latent frame 0 the `top` strongest first-frame sinks of the survey attend: per
-    head the H' x W' image of `first_frame_image` at `step`, on one shared colour scale (linear,
-    log when the values span more than a decade). `statistics`: see `statistics_of`."""
-    layers = _survey_layers(datasets)
+    """Where in latent frame 0 the sink heads of the survey attend (`strongest_sinks`: only heads
+    that pass the sink definition, the `top` strongest): per head the H' x W' image of
+    `first_frame_image` at `step` in multiples of the uniform share of a key token (1 / the
+    tokens the last block sees), on one linear colour scale from 0 shared by the panels. The
+    title says how many heads are sinks; with none, the figure says so. `statistics`: see
+    `statistics_of`."""
+    layers = survey_layers(datasets)
     first = next(iter(layers.values()))
     select_step(first, step)
     stores = attention_by_layer(attention, layers)
-    strongest = strongest_sinks(statistics_of(layers, statistics), step, top)
-    if strongest.empty:
+    table = statistics_of(layers, statistics, sink_threshold)
+    if not np.isfinite(table.loc[table["step"] == int(step), "first"].astype(float)).any():
         raise ValueError(
             f"no head of {checkpoint_of(first)}/{prompt_of(first)} has a first-frame mass at step "
             f"{step}: no probabilities were captured"
         )
-    images = np.stack(
-        [
-            first_frame_image(stores[int(row.layer)], layers[int(row.layer)], row.head, step)
-            for row in strongest.itertuples()
-        ]
-    )
-    cmap, norm, shown = color_scale(images, "probabilities")
+    strongest, sinks = strongest_sinks(table, step, top, sink_threshold)
+    rule = stats.sink_definition(sink_threshold)
+    when = f" · {_step_panel_title(first, step)}" if titles else ""
+    if strongest.empty:
+        fig = Figure(figsize=(FULL_WIDTH_IN, 1.3), layout="constrained")
+        fig.suptitle(_survey_title(layers, f"where sink heads attend in frame 0{when}", titles))
+        fig.text(
+            0.5,
+            0.4,
+            f"No head is a sink at this step ({rule}): nothing to show.",
+            ha="center",
+            va="center",
+        )
+        return fig
+    images = []
+    for row in strongest.itertuples():
+        ds = layers[int(row.layer)]
+        image = first_frame_image(stores[int(row.layer)], ds, row.head, step)
+        images.append(image * visible_tokens(ds, row.head, step))
+    images = np.stack(images)
+    cmap = matplotlib.colormaps[PROBABILITY_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    norm = Normalize(vmin=0.0, vmax=float(np.nanmax(images, initial=1.0)))
     count, (height, width) = len(images), images.shape[1:]
     ncols = min(count, SPATIAL_COLUMNS)
     nrows = math.ceil(count / ncols)
-    panel = (FULL_WIDTH_IN - 0.9) / ncols
+    panel = (FULL_WIDTH_IN - 0.9) / SPATIAL_COLUMNS  # as wide with one sink as with eight
     fig = Figure(
-        figsize=(FULL_WIDTH_IN, nrows * (panel * height / width + 0.22) + 0.6),
+        figsize=(
+            max(COLUMN_WIDTH_IN, ncols * panel + 0.9),
+            nrows * (panel * height / width + 0.3) + 1.0,
+        ),
         layout="constrained",
     )
     axes = panel_grid(fig, count, ncols)
     mesh = None
-    for ax, row, image in zip(axes, strongest.itertuples(), shown, strict=True):
+    for ax, row, image in zip(axes, strongest.itertuples(), images, strict=True):
         mesh = draw_mesh(
             ax, np.arange(width + 1) - 0.5, np.arange(height + 1) - 0.5, image, cmap, norm
         )
@@ -444,11 +427,224 @@ def plot_survey_spatial(
         ax.set_xticks([])
         ax.set_yticks([])
         boxed(ax)
-        ax.set_title(f"{head_label(row.layer, row.head)} · first frame {row.first:.2f}")
-    what = f"where the last block attends in frame 0, {count} strongest first-frame sinks"
-    if titles:
-        what += f" · {_step_panel_title(first, step)}"
+        ax.set_title(
+            f"{head_label(row.layer, row.head)} · mass {row.first:.2f} "
+            f"({row.uniform_multiple:.3g}×)"
+        )
+    if sinks > count:
+        which = f"the {count} strongest of {sinks} sink heads attend"
+    else:
+        which = f"all {count} sink heads attend" if count > 1 else "the one sink head attends"
+    run = _survey_title(layers, _step_panel_title(first, step), True) if titles else ""
+    fig.suptitle("\n".join(filter(None, [run, capital(f"where {which} in frame 0")])))
+    fig.supxlabel(
+        f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video\n"
+        f"sink: {rule}"
+    )
+    add_colorbar(fig, mesh, axes, TOKEN_MULTIPLE_LABEL)
+    return fig
+
+
+@styled
+def plot_survey_entropy(
+    datasets: Sequence[xr.Dataset],
+    *,
+    titles: bool = True,
+    statistics: pd.DataFrame | None = None,
+) -> Figure:
+    """Layer x head map of the entropy of the last block's attention (the statistics' `entropy`
+    of the `last_block` rows: per query token over the key tokens it sees, in nats, averaged over
+    the block's query frames), one panel per captured step, on one scale from 0 to the entropy
+    of uniform attention over the tokens the last block sees (ln of their number): dark is
+    focused (a sink or a narrow window), light spread evenly. `statistics`: see
+    `statistics_of`."""
+    layers = survey_layers(datasets)
+    table = statistics_of(layers, statistics)
+    uniform = uniform_entropy(list(layers.values()))
+    entropy = table["entropy"].to_numpy(dtype=float)
+    largest = float(np.nanmax(entropy, initial=0.0)) if np.isfinite(entropy).any() else 1.0
+    # Without the token count: up to the largest entropy drawn.
+    ceiling = max(uniform, largest) if np.isfinite(uniform) else largest
+    cmap = matplotlib.colormaps[ENTROPY_CMAP].with_extremes(bad=UNSEEN_COLOR)
+    scale = (cmap, Normalize(vmin=0.0, vmax=ceiling))
+    fig, axes, _, _, mesh = _layer_head_maps(layers, table, "entropy", 0, scale)
+    what = "entropy of the last block's attention, every layer"
     fig.suptitle(_survey_title(layers, what, titles))
-    fig.supxlabel(f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video")
-    add_colorbar(fig, mesh, axes, TOKEN_MASS_LABEL)
+    add_colorbar(fig, mesh, axes, ENTROPY_LABEL)
+    if np.isfinite(uniform):  # the top of the scale: uniform attention
+        colorbar = mesh.colorbar
+        colorbar.ax.axhline(uniform, color="white", linewidth=1.0, linestyle=":")
+        ticks = [tick for tick in colorbar.get_ticks() if tick < uniform * 0.93]
+        labels = [f"{tick:g}" for tick in ticks] + [f"uniform {uniform:.2f}"]
+        colorbar.set_ticks([*ticks, uniform], labels=labels)
+    return fig
+
+
+def _class_label(name: str, rows: pd.DataFrame) -> str:
+    """'sink: L0H0' (a few heads named) or 'spread: 14 heads'."""
+    heads = [
+        head_label(layer, head) for layer, head in zip(rows["layer"], rows["head"], strict=True)
+    ]
+    if 0 < len(heads) <= NAMED_HEADS:
+        return f"{name}: {', '.join(heads)}"
+    return f"{name}: {len(heads)} head{'s' if len(heads) != 1 else ''}"
+
+
+@styled
+def plot_survey_sink_by_block(
+    datasets: Sequence[xr.Dataset],
+    *,
+    step: int = 0,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    recent_threshold: float = stats.RECENT_THRESHOLD,
+    titles: bool = True,
+    statistics: pd.DataFrame | None = None,
+) -> Figure:
+    """Sink strength over generation time: per query block (from block 1: block 0 sees only its
+    own frames) the first-frame mass of every head of every surveyed layer at `step` (left) and
+    the same over its uniform share, the sink definition's score, on a log axis with the
+    threshold (right): `stats.first_frame_by_block`, the `each_block` statistics. One thin line
+    per head, coloured by its head class in the last block (`head_class`, the statistics'
+    `last_block` rows); the legend names the heads of a small class. `statistics`: see
+    `statistics_of`."""
+    layers = survey_layers(datasets)
+    first = next(iter(layers.values()))
+    select_step(first, step)
+    table = statistics_of(layers, statistics, sink_threshold, recent_threshold)
+    classes = table[table["step"] == int(step)].set_index(["layer", "head"])["head_class"]
+    by_block = pd.concat(
+        [stats.first_frame_by_block(ds, step).assign(layer=layer) for layer, ds in layers.items()],
+        ignore_index=True,
+    )
+    by_block = by_block[by_block["block"] > 0]
+    fig = Figure(figsize=(FULL_WIDTH_IN, 2.9), layout="constrained")
+    mass_ax, multiple_ax = fig.subplots(1, 2)
+    handles = []
+    for name in ("spread", "recent", "sink"):  # the sinks drawn last, on top
+        keys = [key for key, value in classes.items() if value == name]
+        if not keys:
+            continue
+        style = {
+            "color": HEAD_CLASS_COLORS[name],
+            "linewidth": 0.6 if name == "spread" else 1.4,
+            "alpha": 0.5 if name == "spread" else 1.0,
+            "marker": None if name == "spread" else "o",
+            "markersize": 3,
+        }
+        for layer, head in keys:
+            rows = by_block[(by_block["layer"] == layer) & (by_block["head"] == head)]
+            blocks = rows["block"].to_numpy(dtype=float)
+            mass_ax.plot(blocks, rows["first"].to_numpy(dtype=float), **style)
+            multiple = np.maximum(rows["uniform_multiple"].to_numpy(dtype=float), MULTIPLE_FLOOR)
+            multiple_ax.plot(blocks, multiple, **style)
+        named = pd.DataFrame(keys, columns=["layer", "head"])
+        handles.append(Line2D([], [], label=_class_label(name, named), **style))
+    blocks = sorted(int(block) for block in by_block["block"].unique())
+    for ax in (mass_ax, multiple_ax):
+        ax.set_xlabel("Query block (0-based)")
+        if blocks:
+            ax.set_xticks(blocks)
+            ax.set_xlim(blocks[0] - 0.3, blocks[-1] + 0.3)
+        else:  # one block: it sees only itself
+            ax.text(0.5, 0.5, "no block after block 0", transform=ax.transAxes, ha="center")
+    mass_ax.set_ylim(0.0, 1.0)
+    mass_ax.set_ylabel(FIRST_FRAME_LABEL)
+    mass_ax.set_title("Mass on the first key frame")
+    multiple_ax.set_yscale("log")
+    multiple_ax.yaxis.set_major_formatter(DecimalLogFormatter())
+    multiple_ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle=":")
+    multiple_ax.axhline(sink_threshold, color="black", linewidth=1.0, linestyle="--")
+    multiple_ax.set_ylabel(MULTIPLE_LABEL)
+    multiple_ax.set_title(f"Over its uniform share (dashed: sink ≥ {sink_threshold:g}×)")
+    handles.reverse()  # sinks first
+    fig.legend(
+        handles=handles, loc="outside lower center", ncols=3, title="Head class (last block)"
+    )
+    when = f" · {_step_panel_title(first, step)}" if titles else ""
+    fig.suptitle(
+        _survey_title(
+            layers,
+            f"sink strength over generation time: first-frame mass per query block{when}",
+            titles,
+        )
+    )
+    return fig
+
+
+@styled
+def plot_survey_sink_checkpoints(
+    datasets: Sequence[xr.Dataset],
+    *,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    step: int = 0,
+    titles: bool = True,
+) -> Figure:
+    """The same heads across checkpoints: one layer x head panel per checkpoint, side by side, of
+    the last block's first-frame mass over its uniform share at `step` (the statistics'
+    `uniform_multiple`, the median over the checkpoint's prompts), on `multiple_scale`; a circle
+    marks a head that is a sink (`stats.is_sink`) in every prompt, a dot one that is a sink in
+    some. Checkpoints with other layers or heads show theirs; a missing cell is grey."""
+    runs = survey_runs(datasets)
+    checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
+    layer_list = sorted({layer for layers in runs.values() for layer in layers})
+    heads = sorted(
+        {int(h) for layers in runs.values() for ds in layers.values() for h in ds["head"].values}
+    )
+    tables = []
+    for (checkpoint, _), layers in runs.items():
+        for ds in layers.values():
+            select_step(ds, step)
+        table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+        tables.append(table[table["step"] == int(step)].assign(checkpoint=checkpoint))
+    table = pd.concat(tables, ignore_index=True)
+    table["is_sink"] = stats.is_sink(table["uniform_multiple"], sink_threshold)
+    grouped = table.groupby(["checkpoint", "layer", "head"])
+    summary = grouped.agg(
+        multiple=("uniform_multiple", "median"),
+        sinks=("is_sink", "sum"),
+        prompts=("prompt", "nunique"),
+    ).reset_index()
+    visible = last_block_visible_frames([ds for layers in runs.values() for ds in layers.values()])
+    cmap, norm = multiple_scale(visible)
+    clip = clipped_to(norm)
+    maps = []
+    for checkpoint in checkpoints:
+        rows = summary[summary["checkpoint"] == checkpoint]
+        grid = rows.pivot(index="layer", columns="head", values="multiple")
+        values = grid.reindex(index=layer_list, columns=heads).to_numpy(dtype=float)
+        prompts = int(rows["prompts"].max())
+        count = "1 prompt" if prompts == 1 else f"median of {prompts} prompts"
+        maps.append((f"{checkpoint} ({count})", clip(values)))
+    fig, axes, mesh = layer_head_panels(maps, layer_list, heads, 1, cmap=cmap, norm=norm)
+    _, width, height = layer_head_geometry(len(layer_list), len(heads), len(maps))
+    cell_pt = 72 * min(width / len(heads), height / len(layer_list))
+    for ax, checkpoint in zip(axes, checkpoints, strict=True):
+        rows = summary[summary["checkpoint"] == checkpoint]
+        for which, marker, size in (
+            (rows["sinks"] == rows["prompts"], "o", 0.35),
+            ((rows["sinks"] > 0) & (rows["sinks"] < rows["prompts"]), ".", 0.35),
+        ):
+            cells = rows[which.to_numpy()]
+            ax.scatter(
+                [heads.index(int(h)) for h in cells["head"]],
+                [layer_list.index(int(layer)) for layer in cells["layer"]],
+                s=max(size * cell_pt, 1.0) ** 2,
+                marker=marker,
+                facecolor="white",
+                edgecolor="black",
+                linewidths=0.3,
+                label="every prompt" if marker == "o" else "some prompts",
+            )
+    marker_style = {"linestyle": "", "markerfacecolor": "white", "markeredgecolor": "black"}
+    rule = stats.sink_definition(sink_threshold)
+    handles = [
+        Line2D([], [], marker="o", label=f"sink in every prompt ({rule})", **marker_style),
+        Line2D([], [], marker=".", label="sink in some prompts", **marker_style),
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=2)
+    when = f" · step {int(step)} · {steps_title(datasets, step)}" if titles else ""
+    fig.suptitle(
+        f"The same heads across checkpoints: first-frame mass over its uniform share{when}"
+    )
+    add_threshold_colorbar(fig, mesh, axes, MULTIPLE_LABEL, sink_threshold)
     return fig

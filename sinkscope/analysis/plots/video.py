@@ -107,17 +107,17 @@ def rollout_marks(
         per_block = per_block.drop_duplicates("block").sort_values("first_frame")
     if not rows.empty:
         rows = rows.sort_values("frame")
-        capacity = int(rows["capacity"].iloc[0])
-        evicting = evicting_frame(rows["frame"], rows["block"], capacity)
-    elif not per_block.empty:
+    if rows.empty and per_block.empty:
+        return RolloutMarks(None, (), (), None)
+    if rollout == FULL:  # the reference keeps every key: no capacity (empty), never evicts
+        evicting = None
+    elif not rows.empty:
+        evicting = evicting_frame(rows["frame"], rows["block"], int(rows["capacity"].iloc[0]))
+    else:
         capacity = int(per_block["capacity"].iloc[0])
         ends = per_block["first_frame"] + per_block["frames"]
         over = per_block[ends > capacity]
         evicting = None if over.empty else int(over["first_frame"].iloc[0])
-    else:
-        return RolloutMarks(None, (), (), None)
-    if rollout == FULL:  # the reference keeps every key (its capacity: the whole rollout)
-        evicting = None
     frame, distance = np.zeros(0, dtype=np.int64), np.zeros(0)
     if not rows.empty:
         frame, distance = rows["frame"].to_numpy(), rows["sink_distance"].to_numpy(dtype=float)
@@ -354,7 +354,7 @@ def plot_video_strip(
 
 def _row_label(label: str) -> str:
     """A rollout's label beside its row: the policy on one line, its parameters under it
-    ('participative\nB=12 S=3 R=3\nL=21')."""
+    ('participative\nB=12 S=3 R=3\ncapacity=21')."""
     policy, _, parameters = label.partition(" ")
     return "\n".join([policy, *textwrap.wrap(parameters, 13)])
 
