@@ -452,6 +452,26 @@ def shared_decimals(values, significant: int = 3) -> int:
     return max(0, significant - 1 - math.floor(math.log10(float(magnitudes.max()))))
 
 
+NAMED_FONT_SIZE = 5.5  # the names of heads written beside their lines, dots or bars
+
+
+def name_head(
+    ax: Axes, text: str, xy: tuple[float, float], *, offset=(3, 0), ha="left", va="center", **style
+) -> None:
+    """A head's name (or any short label) `offset` points from data point `xy`, in the small
+    size every figure names heads in; `style`: more `annotate` options (colour, halo)."""
+    ax.annotate(
+        text,
+        xy=xy,
+        xytext=offset,
+        textcoords="offset points",
+        ha=ha,
+        va=va,
+        fontsize=NAMED_FONT_SIZE,
+        **style,
+    )
+
+
 def signed_number(value: float, decimals: int) -> str:
     """`value` with its sign and `decimals` decimals: '+0.650', '−3.68' (a minus sign, as the
     tick labels), '0.00' for what rounds to zero, 'nan'."""

@@ -22,6 +22,7 @@ from .common import (
     figure_legend,
     head_label,
     layer_head_panels,
+    name_head,
     panel_grid,
     signed_number,
     styled,
@@ -45,7 +46,6 @@ HEAD_COLOR = "0.55"  # every head, thin
 HEAD_LINE_WIDTH = 0.4
 # the named heads, off the policies' colours, one per head of the figure (repeating after six)
 NAMED_COLORS = ("#c51b7d", "#1b7837", "#762a83", "#8c510a", "#01665e", "#b2182b")
-NAMED_FONT_SIZE = 5.5
 LABEL_GAP = 0.075  # recall between two end labels at least: about their height
 LABEL_ROOM = 0.55  # the room right of the sweep for its end labels, in shares of its width
 LABEL_HALO = [patheffects.withStroke(linewidth=1.5, foreground="white")]
@@ -339,15 +339,11 @@ def _name_ends(ax: Axes, x: float, ends: Sequence[tuple[float, str, object]]) ->
     low, high = RECALL_LIMITS
     heights = spread_labels([y for y, _, _ in ends], LABEL_GAP, low + LABEL_GAP / 2, high)
     for (_, text, color), y in zip(ends, heights, strict=True):
-        ax.annotate(
+        name_head(
+            ax,
             text,
-            xy=(x, y),
-            xytext=(3, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
+            (x, y),
             color=color,
-            fontsize=NAMED_FONT_SIZE,
             annotation_clip=False,
             path_effects=LABEL_HALO,  # readable over the lines it crosses
         )
@@ -426,15 +422,14 @@ def plot_policy_recall(
             # The name on the sides with room: above a low point, and left of a point in the
             # right half (clear of the "V = ...: all kept" label at the foot of the V line).
             low, right = recall < 0.5, budget > limit / 2
-            ax.annotate(
+            name_head(
+                ax,
                 head_label(*head),
-                xy=(budget, recall),
-                xytext=(-2 if right else 2, 3 if low else -3),
-                textcoords="offset points",
+                (budget, recall),
+                offset=(-2 if right else 2, 3 if low else -3),
                 ha="right" if right else "left",
                 va="bottom" if low else "top",
                 color=color,
-                fontsize=NAMED_FONT_SIZE,
                 path_effects=LABEL_HALO,
             )
         _uniform_line(ax, [0, limit], [0, min(limit / visible, 1.0)])

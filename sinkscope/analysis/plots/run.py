@@ -47,6 +47,7 @@ from .common import (
     last_block_versions,
     layer_of,
     marks_key_versions,
+    name_head,
     noisy_steps,
     panel_grid,
     series_colors,
@@ -90,7 +91,6 @@ MEASURE_TITLES = {"logits": "Attention logits", "probabilities": "Attention prob
 HEAD_LINE_WIDTH = 0.5  # layer comparison: one thin line per head
 HEAD_LINE_ALPHA = 0.45
 HEAD_DOT_COLOR = "0.15"  # statistics: one dot per head
-NAMED_FONT_SIZE = 5.5  # the names of the heads that stand apart
 PARTS = ("first", "middle", "last")
 PART_LABELS = {"first": "First frame", "middle": "Middle frames", "last": "Last frame"}
 MAP_ANCHOR_COLOR = "black"
@@ -469,16 +469,7 @@ def plot_layer_comparison(
         if head is not None:
             values = profile.sel(head=head).values
             frame = int(np.nanargmax(distance[list(profile["head"].values).index(head)]))
-            ax.annotate(
-                head_label(layer, head),
-                xy=(positions[frame], values[frame]),
-                xytext=(3, 0),
-                textcoords="offset points",
-                ha="left",
-                va="center",
-                color=color,
-                fontsize=NAMED_FONT_SIZE,
-            )
+            name_head(ax, head_label(layer, head), (positions[frame], values[frame]), color=color)
     ax.plot([], [], color="0.4", linewidth=HEAD_LINE_WIDTH, label="one head")  # legend only
     format_frame_axis(ax, num_frames, frame_axis)
     ax.set_xlabel(KEY_AXIS_LABELS[frame_axis])
@@ -522,14 +513,11 @@ def plot_statistics(
             head = standout(values, span)
             if head is not None:
                 at = list(values.index).index(head)
-                ax.annotate(
+                name_head(
+                    ax,
                     head_label(layer, head),
-                    xy=(center + offsets[at], float(values[head])),
-                    xytext=(2, 0),
-                    textcoords="offset points",
-                    ha="left",
-                    va="center",
-                    fontsize=NAMED_FONT_SIZE,
+                    (center + offsets[at], float(values[head])),
+                    offset=(2, 0),
                 )
         ax.plot(
             dots_x,
