@@ -218,11 +218,13 @@ def test_bad_config_fails_before_any_job(tmp_path, change, message):
 
 def test_every_output_a_user_opens_is_restored_by_a_plain_rerun(demo_run, tmp_path):
     workdir = demo_copy(demo_run, tmp_path / "w")
-    shutil.rmtree(workdir / "results/frames/demo_a/eagle/layer0.zarr")
+    # A run without figures of its own (figures.runs: demo_a/eagle), so that the figure below
+    # is the only reason for its figures job.
+    shutil.rmtree(workdir / "results/frames/demo_b/harbor/layer0.zarr")
     (workdir / "results/stats/sink_rate.csv").unlink()
-    (workdir / "results/figures/demo_b/eagle/layer2_frame_maps.svg").unlink()
+    (workdir / "results/figures/demo_a/eagle/layer2_frame_maps.svg").unlink()
     jobs = planned_jobs(workdir)
-    assert ("reduce_attention", "checkpoint=demo_a, prompt=eagle") in jobs
+    assert ("reduce_attention", "checkpoint=demo_b, prompt=harbor") in jobs
     assert ("summary", "") in jobs
-    assert ("figures", "checkpoint=demo_b, prompt=eagle") in jobs
+    assert ("figures", "checkpoint=demo_a, prompt=eagle") in jobs
     assert not {rule for rule, _ in jobs} & {"extract", "encode_prompt"}
