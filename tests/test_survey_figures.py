@@ -15,7 +15,7 @@ from matplotlib.collections import PathCollection, QuadMesh
 
 from sinkscope import frames
 from sinkscope.analysis import figures, stats
-from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots import render_figures, survey_data
 from sinkscope.analysis.plots.common import head_label, save_figure
 from sinkscope.analysis.plots.survey import (
     ENTROPY_LABEL,
@@ -865,3 +865,28 @@ def test_sink_checkpoints_puts_each_checkpoints_heads_side_by_side(tmp_path):
         seen_some |= bool(some)
     assert seen_some, "the data must exercise a head that is a sink in some prompts only"
     assert "step 1" in fig.get_suptitle()
+
+
+def test_the_survey_compare_figures_share_each_runs_statistics(tmp_path, monkeypatch):
+    """The renderer computes each run's survey statistics once for both compare figures of the
+    survey (each would compute them again), and both draw from them as they do on their own."""
+    runs = [("self_forcing", "cat"), ("causvid", "cat")]
+    _, frame_paths = write_runs(tmp_path, runs, num_layers=2)
+    calls = []
+    original = survey_data.survey_statistics
+
+    def counted(datasets, **kwargs):
+        calls.append(len(datasets))
+        return original(datasets, **kwargs)
+
+    monkeypatch.setattr(survey_data, "survey_statistics", counted)
+    outs = [
+        Path(f.path) for f in figures.survey_compare_figures(str(tmp_path / "out"), [0, 1], "svg")
+    ]
+    assert {out.stem for out in outs} == {"survey_sink_rate_runs", "survey_sink_checkpoints"}
+    render_figures(frame_paths, outs, heads=[(0, 0)])
+    assert calls == [2, 2]  # once per run, not once per run and figure
+    alone = tmp_path / "alone"
+    for out in outs:
+        render_figures(frame_paths, [alone / out.name], heads=[(0, 0)])
+        assert (alone / out.name).read_bytes() == out.read_bytes()

@@ -186,6 +186,11 @@ def render_figures(
             sink_threshold=sink_threshold,
             recent_threshold=recent_threshold,
         )
+    run_statistics = None  # the same for the survey's compare figures, every run's
+    if any(kind.scope == "compare" and kind.surveyed for kind in kinds):
+        run_statistics = survey_data.runs_statistics(
+            runs, sink_threshold=sink_threshold, recent_threshold=recent_threshold
+        )
     options = {
         "heads": heads,
         "measure": measure,
@@ -194,6 +199,7 @@ def render_figures(
         "attention": attention,
         "sink_threshold": sink_threshold,
         "recent_threshold": recent_threshold,
+        "run_statistics": run_statistics,
         "budget": policy_budget,
         "layers": policy_layers,
         "train_frames": train_frames,

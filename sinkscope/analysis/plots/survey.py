@@ -9,7 +9,7 @@ the `uniform_multiple` column) in every figure here: colours, markers, rates and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib
 import numpy as np
@@ -53,11 +53,11 @@ from .survey_data import (
     first_frame_image,
     last_block_visible_frames,
     layer_head_values,
+    runs_statistics,
     statistics_of,
     strongest_sinks,
     survey_layers,
     survey_runs,
-    survey_statistics,
     uniform_entropy,
     visible_tokens,
 )
@@ -318,10 +318,14 @@ def plot_survey_sink_rate_runs(
     sink_threshold: float = stats.SINK_THRESHOLD,
     step: int = 0,
     titles: bool = True,
+    run_statistics: Mapping[tuple[str, str], pd.DataFrame] | None = None,
 ) -> Figure:
     """Sink rate per layer at `step`, one marker per layer and surveyed run (no lines): colour
-    by checkpoint, marker by prompt."""
+    by checkpoint, marker by prompt. `run_statistics`: `runs_statistics` of the datasets, if
+    the caller has them."""
     runs = survey_runs(datasets)
+    if run_statistics is None:
+        run_statistics = runs_statistics(runs, sink_threshold=sink_threshold)
     checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
     prompts = list(dict.fromkeys(prompt for _, prompt in runs))
     colors = dict(zip(checkpoints, series_colors(len(checkpoints)), strict=True))
@@ -335,7 +339,7 @@ def plot_survey_sink_rate_runs(
     for i, ((checkpoint, prompt), layers) in enumerate(runs.items()):
         for ds in layers.values():
             select_step(ds, step)
-        table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+        table = run_statistics[checkpoint, prompt]
         rates = stats.sink_rates(table, sink_threshold)
         rows = rates[rates["step"] == int(step)].sort_values("layer")
         surveyed |= set(layers)
@@ -578,23 +582,27 @@ def plot_survey_sink_checkpoints(
     sink_threshold: float = stats.SINK_THRESHOLD,
     step: int = 0,
     titles: bool = True,
+    run_statistics: Mapping[tuple[str, str], pd.DataFrame] | None = None,
 ) -> Figure:
     """The same heads across checkpoints: one layer x head panel per checkpoint, side by side, of
     the last block's first-frame mass over its uniform share at `step` (the statistics'
     `uniform_multiple`, the median over the checkpoint's prompts), on `multiple_scale`; a circle
     marks a head that is a sink (`stats.is_sink`) in every prompt, a dot one that is a sink in
-    some. Checkpoints with other layers or heads show theirs; a missing cell is grey."""
+    some. Checkpoints with other layers or heads show theirs; a missing cell is grey.
+    `run_statistics`: `runs_statistics` of the datasets, if the caller has them."""
     runs = survey_runs(datasets)
+    if run_statistics is None:
+        run_statistics = runs_statistics(runs, sink_threshold=sink_threshold)
     checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
     layer_list = sorted({layer for layers in runs.values() for layer in layers})
     heads = sorted(
         {int(h) for layers in runs.values() for ds in layers.values() for h in ds["head"].values}
     )
     tables = []
-    for (checkpoint, _), layers in runs.items():
+    for (checkpoint, prompt), layers in runs.items():
         for ds in layers.values():
             select_step(ds, step)
-        table = survey_statistics(list(layers.values()), sink_threshold=sink_threshold)
+        table = run_statistics[checkpoint, prompt]
         tables.append(table[table["step"] == int(step)].assign(checkpoint=checkpoint))
     table = pd.concat(tables, ignore_index=True)
     table["is_sink"] = stats.is_sink(table["uniform_multiple"], sink_threshold)

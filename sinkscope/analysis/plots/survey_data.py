@@ -6,7 +6,7 @@ entropy of uniform attention. Torch-free, like every figure module."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -38,6 +38,24 @@ def survey_statistics(
     ]
     table = pd.concat(tables, ignore_index=True)
     return table[table["measure"] == SURVEY_MEASURE].reset_index(drop=True)
+
+
+def runs_statistics(
+    runs: Mapping[tuple[str, str], Mapping[int, xr.Dataset]],
+    *,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    recent_threshold: float = stats.RECENT_THRESHOLD,
+) -> dict[tuple[str, str], pd.DataFrame]:
+    """`survey_statistics` of each run of `survey_runs`: what the survey's compare figures read,
+    computed by the renderer once for all of them."""
+    return {
+        run: survey_statistics(
+            list(layers.values()),
+            sink_threshold=sink_threshold,
+            recent_threshold=recent_threshold,
+        )
+        for run, layers in runs.items()
+    }
 
 
 def statistics_of(
