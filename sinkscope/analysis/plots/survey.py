@@ -53,11 +53,10 @@ from .survey_data import (
     first_frame_image,
     last_block_visible_frames,
     layer_head_values,
-    runs_statistics,
+    runs_at_step,
     statistics_of,
     strongest_sinks,
     survey_layers,
-    survey_runs,
     uniform_entropy,
     visible_tokens,
 )
@@ -323,9 +322,9 @@ def plot_survey_sink_rate_runs(
     """Sink rate per layer at `step`, one marker per layer and surveyed run (no lines): colour
     by checkpoint, marker by prompt. `run_statistics`: `runs_statistics` of the datasets, if
     the caller has them."""
-    runs = survey_runs(datasets)
-    if run_statistics is None:
-        run_statistics = runs_statistics(runs, sink_threshold=sink_threshold)
+    runs, run_statistics = runs_at_step(
+        datasets, step, sink_threshold=sink_threshold, run_statistics=run_statistics
+    )
     checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
     prompts = list(dict.fromkeys(prompt for _, prompt in runs))
     colors = dict(zip(checkpoints, series_colors(len(checkpoints)), strict=True))
@@ -337,8 +336,6 @@ def plot_survey_sink_rate_runs(
     dodge = min(SINK_RATE_DODGE, 0.8 / len(runs))
     surveyed: set[int] = set()
     for i, ((checkpoint, prompt), layers) in enumerate(runs.items()):
-        for ds in layers.values():
-            select_step(ds, step)
         table = run_statistics[checkpoint, prompt]
         rates = stats.sink_rates(table, sink_threshold)
         rows = rates[rates["step"] == int(step)].sort_values("layer")
@@ -590,18 +587,16 @@ def plot_survey_sink_checkpoints(
     marks a head that is a sink (`stats.is_sink`) in every prompt, a dot one that is a sink in
     some. Checkpoints with other layers or heads show theirs; a missing cell is grey.
     `run_statistics`: `runs_statistics` of the datasets, if the caller has them."""
-    runs = survey_runs(datasets)
-    if run_statistics is None:
-        run_statistics = runs_statistics(runs, sink_threshold=sink_threshold)
+    runs, run_statistics = runs_at_step(
+        datasets, step, sink_threshold=sink_threshold, run_statistics=run_statistics
+    )
     checkpoints = list(dict.fromkeys(checkpoint for checkpoint, _ in runs))
     layer_list = sorted({layer for layers in runs.values() for layer in layers})
     heads = sorted(
         {int(h) for layers in runs.values() for ds in layers.values() for h in ds["head"].values}
     )
     tables = []
-    for (checkpoint, prompt), layers in runs.items():
-        for ds in layers.values():
-            select_step(ds, step)
+    for checkpoint, prompt in runs:
         table = run_statistics[checkpoint, prompt]
         tables.append(table[table["step"] == int(step)].assign(checkpoint=checkpoint))
     table = pd.concat(tables, ignore_index=True)

@@ -14,7 +14,7 @@ import xarray as xr
 
 from sinkscope.analysis import stats
 
-from .common import by_layer, checkpoint_of, describe, prompt_of
+from .common import by_layer, checkpoint_of, describe, prompt_of, select_step
 
 SURVEY_MEASURE = "prob_mass"  # sinks are probability mass (Gu et al.)
 
@@ -56,6 +56,25 @@ def runs_statistics(
         )
         for run, layers in runs.items()
     }
+
+
+def runs_at_step(
+    datasets: Sequence[xr.Dataset],
+    step: int,
+    *,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    run_statistics: Mapping[tuple[str, str], pd.DataFrame] | None = None,
+) -> tuple[dict[tuple[str, str], dict[int, xr.Dataset]], Mapping[tuple[str, str], pd.DataFrame]]:
+    """What the survey's compare figures start from: the runs of `datasets` (`survey_runs`),
+    every layer checked to hold `step`, and each run's statistics (`run_statistics` where the
+    caller has them, else `runs_statistics`)."""
+    runs = survey_runs(datasets)
+    for layers in runs.values():
+        for ds in layers.values():
+            select_step(ds, step)
+    if run_statistics is None:
+        run_statistics = runs_statistics(runs, sink_threshold=sink_threshold)
+    return runs, run_statistics
 
 
 def statistics_of(
