@@ -41,10 +41,8 @@ localrules:
     make_demo_checkpoint,
     make_demo_text_encoder,
     make_demo_vae,
-    stats,
     summary,
     figures,
-    compare_figures,
     closed_loop_summary,
     video_summary,
 

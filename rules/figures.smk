@@ -1,7 +1,7 @@
 # Frame datasets (and recall tables, attention stores) -> figures per run and across runs, as the
 # figure registry (sinkscope/analysis/figures.py) declares them: file names, captions, layers.
-# One job per run draws its layer, run, policy and survey figures, and one job the figures across
-# runs (fewer, larger jobs: most of a figure job is Python and matplotlib start-up).
+# One job per run draws its layer, run, policy and survey figures, and rule summary the figures
+# across runs (fewer, larger jobs: most of a figure job is Python and matplotlib start-up).
 # Every figure is marked for the Snakemake report (`snakemake --report report.html`): category
 # "Figures", one subcategory per run and one across runs, labels `figure` and `layer` (0-based).
 
@@ -39,38 +39,6 @@ rule figures:
         policies=canonical(config["policies"]),
         stats=canonical(config["stats"]),
         figure_layers=RUN_FIGURE_LAYERS,
-        survey_layers=SURVEY_LAYERS,
-    script:
-        "../scripts/figures.py"
-
-
-rule compare_figures:
-    input:
-        frames=expand(
-            "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
-            checkpoint=CHECKPOINTS,
-            prompt=PROMPTS,
-            layer=sorted(set(HEAD_LAYERS) | set(SURVEY_LAYERS)),
-        ),
-    output:
-        [
-            report(
-                figure.path,
-                caption=f"../report/{figure.kind.caption}",
-                category="Figures",
-                subcategory="across checkpoints and prompts",
-                labels=figure.labels,
-            )
-            for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES
-        ],
-    log:
-        "results/logs/figures/compare.log",
-    conda:
-        "../envs/analysis.yaml"
-    params:
-        figures=canonical(config["figures"]),
-        stats=canonical(config["stats"]),
-        figure_layers=HEAD_LAYERS,
         survey_layers=SURVEY_LAYERS,
     script:
         "../scripts/figures.py"

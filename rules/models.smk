@@ -9,6 +9,8 @@ rule make_demo_checkpoint:
         "results/logs/make_demo_checkpoint/{demo}.log",
     wildcard_constraints:
         demo=one_of(DEMO_CHECKPOINTS),
+    # First, as the prompts: what waits for it waits from the start.
+    priority: 3
     conda:
         "../envs/extract.yaml"
     params:
@@ -23,6 +25,8 @@ rule make_demo_text_encoder:
         directory(demo_text_encoder_dir()),
     log:
         "results/logs/make_demo_text_encoder.log",
+    # First, as the prompts: what waits for it waits from the start.
+    priority: 3
     conda:
         "../envs/extract.yaml"
     params:

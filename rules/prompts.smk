@@ -9,6 +9,9 @@ rule encode_prompt:
         "results/prompts/{prompt}.safetensors",
     log:
         "results/logs/encode_prompt/{prompt}.log",
+    # First: every run of the prompt waits for it (left for last, a prompt's whole chain of
+    # surveys, recall tables and the summary after it ran alone at the end).
+    priority: 3
     conda:
         "../envs/extract.yaml"
     resources:

@@ -1,30 +1,15 @@
-# Frame datasets -> tidy statistics (Contract 3), one job per run (every layer: seconds); the
-# summary tables (statistics, sink rate, policy recall) go into the report.
-
-
-rule stats:
-    input:
-        expand(
-            "results/frames/{{checkpoint}}/{{prompt}}/layer{layer}.zarr", layer=LAYERS
-        ),
-    output:
-        expand("results/stats/{{checkpoint}}/{{prompt}}/layer{layer}.csv", layer=LAYERS),
-    log:
-        "results/logs/stats/{checkpoint}/{prompt}.log",
-    # Tables before the figures that read them: the last jobs then run side by side.
-    priority: 1
-    conda:
-        "../envs/analysis.yaml"
-    params:
-        stats=canonical(config["stats"]),
-    script:
-        "../scripts/stats.py"
+# Every run's frame datasets and recall tables -> tidy statistics (Contract 3) of every run and
+# layer, the summary tables (statistics, sink rate, policy recall) and the figures across runs
+# (which read the same statistics): one job, since a run's statistics take well under a second
+# and a job of its own would spend most of its time starting Python. Only this job reads the
+# per-run CSVs, so recomputing every run's for a new prompt reruns nothing else; a new figure
+# option recomputes the tables (seconds).
 
 
 rule summary:
     input:
-        stats=expand(
-            "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+        frames=expand(
+            "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
             layer=LAYERS,
@@ -35,6 +20,13 @@ rule summary:
             prompt=PROMPTS,
         ),
     output:
+        # in the order of the frame datasets
+        stats=expand(
+            "results/stats/{checkpoint}/{prompt}/layer{layer}.csv",
+            checkpoint=CHECKPOINTS,
+            prompt=PROMPTS,
+            layer=LAYERS,
+        ),
         summary=report(
             "results/stats/summary.csv",
             caption="../report/summary.rst",
@@ -63,11 +55,24 @@ rule summary:
             subcategory="all runs",
             labels={"table": "policy recall (csv)"},
         ),
+        figures=[
+            report(
+                figure.path,
+                caption=f"../report/{figure.kind.caption}",
+                category="Figures",
+                subcategory="across checkpoints and prompts",
+                labels=figure.labels,
+            )
+            for figure in COMPARE_FIGURES + SURVEY_COMPARE_FIGURES
+        ],
     log:
         "results/logs/summary.log",
     conda:
         "../envs/analysis.yaml"
     params:
-        sink_threshold=config["stats"]["sink_threshold"],
+        stats=canonical(config["stats"]),
+        figures=canonical(config["figures"]),
+        figure_layers=HEAD_LAYERS,
+        survey_layers=SURVEY_LAYERS,
     script:
         "../scripts/summary.py"

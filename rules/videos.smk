@@ -11,6 +11,8 @@ rule make_demo_vae:
         weights=f"{DEMO_VAE_DIR}/diffusion_pytorch_model.safetensors",
     log:
         "results/logs/make_demo_vae.log",
+    # First, as the prompts: what waits for it waits from the start.
+    priority: 3
     conda:
         "../envs/extract.yaml"
     params:

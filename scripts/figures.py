@@ -1,12 +1,11 @@
-"""Snakemake adapter: rules figures (a run's layer, run, policy and survey figures) and
-compare_figures (each output file names its figure). Inputs: frames= (frame datasets),
-attention= (attention stores, survey figures only), policies= (the run's recall table, policy
-figures only); params: figures=, stats= where the figures read its thresholds (survey figures),
-figure_layers= and survey_layers= (the layers the other figures and the survey figures show:
-the frame datasets hold both), policies= where the policy figures read
-their budget (key `budget`, optional)."""
+"""Snakemake adapter: rule figures (a run's layer, run, policy and survey figures; each output
+file names its figure). Inputs: frames= (frame datasets), attention= (attention stores, survey
+figures only), policies= (the run's recall table, policy figures only); params: figures=,
+stats= (the thresholds the survey figures read), policies= (key `budget`, optional: the budget
+the policy figures show), figure_layers= and survey_layers= (the layers the other figures and
+the survey figures show: the frame datasets hold both)."""
 
-from sinkscope.analysis.plots import render_figures
+from sinkscope.analysis.plots.render import render_configured
 from sinkscope.logs import job_log
 
 
@@ -17,23 +16,14 @@ def paths(name: str) -> list[str]:
 
 
 with job_log(snakemake.log[0]):
-    options = snakemake.params.figures
-    stats = snakemake.params.get("stats") or {}
-    policies = snakemake.params.get("policies") or {}
-    render_figures(
+    render_configured(
         paths("frames"),
         list(snakemake.output),
-        heads=[tuple(head) for head in options["heads"]],
-        measure=options["measure"],
-        frame_axis=options["frame_axis"],
-        step=options["step"],
-        annotate=options.get("annotate", ["max"]),
-        titles=options.get("titles", True),
-        shared_scale=options.get("shared_scale", True),
+        figures=snakemake.params.figures,
+        stats_options=snakemake.params.get("stats"),
+        policies=snakemake.params.get("policies"),
         figure_layers=snakemake.params.get("figure_layers"),
         survey_layers=snakemake.params.get("survey_layers"),
         attention_stores=paths("attention"),
         policy_tables=paths("policies"),
-        policy_budget=policies.get("budget"),
-        **{key: stats[key] for key in ("sink_threshold", "recent_threshold") if key in stats},
     )

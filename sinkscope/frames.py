@@ -194,14 +194,15 @@ def attention_store_bytes(
     key_slots: int | None = None,
 ) -> int:
     """Uncompressed bytes of one layer's attention store (Contract 4): float32 key_mass and
-    key_logit_mean over every (pass, head, query frame, key token), entropy and pooled mean
-    logits; or, over `key_slots` cache slots, key_mass, key_logit_mean and the slot labels over
-    every (pass, head, query frame, slot) and entropy: linear in the frames."""
+    key_logit_mean over every (pass, head, query frame, key token), entropy, and per frame pair
+    the pooled mean logits, value_norm and mass_value_norm; or, over `key_slots` cache slots,
+    key_mass, key_logit_mean and the slot labels over every (pass, head, query frame, slot) and
+    entropy: linear in the frames."""
     if key_slots is not None:
         entries = num_passes * num_heads * num_frames
         return entries * key_slots * SLOT_ENTRY_BYTES + entries * 4
     per_key_token = 2 * num_passes * num_heads * num_frames * num_frames * frame_seq_length * 4
-    return per_key_token + num_passes * num_heads * (num_frames + num_frames**2) * 4
+    return per_key_token + num_passes * num_heads * (num_frames + 3 * num_frames**2) * 4
 
 
 def attention_chunk_frames(sizes: Sequence[int]) -> int:
@@ -236,7 +237,7 @@ def attention_store_disk_bytes(
         key_slots=key_slots,
     )
     data = raw + chunks * (_CHUNK_OVERHEAD_BYTES + block_size)
-    directories = (3 + arrays * num_passes + chunks + 12) * block_size
+    directories = (3 + arrays * num_passes + chunks + 14) * block_size
     keys = num_frames * frame_seq_length if key_slots is None else key_slots
     coordinates = keys * 4 + num_frames * 4 + 8 * block_size
     return data + directories + coordinates + _METADATA_BYTES

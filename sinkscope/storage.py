@@ -53,6 +53,9 @@ _INT32 = (-(2**31), 2**31 - 1)
 # written beside each array (xarray shows them as the variable's attrs; docs/DATA.md lists them).
 # Probabilities are dimensionless ("1"), entropies in nats, logits q.k/sqrt(head_dim) in "logit"
 # (a dimensionless pre-softmax score), indices and labels "1".
+# The value side of an attention store's keys, per (step, head, query frame, key frame): the
+# survey writes them when the capture sees the values; reduced to the frame dataset as they are.
+VALUE_FRAME_VARIABLES = ("value_norm", "mass_value_norm")
 VARIABLE_ATTRS = {
     "logits": {
         "long_name": "pre-softmax attention logit q.k/sqrt(head_dim)",
@@ -82,6 +85,16 @@ VARIABLE_ATTRS = {
     "entropy": {
         "long_name": "softmax entropy of the attention rows, mean over the query frame's tokens",
         "units": "nats",
+    },
+    "value_norm": {
+        "long_name": "L2 norm of the value vectors of the key frame's tokens (the copy the query "
+        "frame saw), mean over the tokens",
+        "units": "1",
+    },
+    "mass_value_norm": {
+        "long_name": "attention probability x value norm summed over the key frame's tokens, "
+        "mean over the query frame's tokens",
+        "units": "1",
     },
     "slot_frame": {
         "long_name": "latent frame the key of the cache slot came from (-1: empty)",

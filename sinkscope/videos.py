@@ -93,17 +93,29 @@ def encoded_size(height: int, width: int, min_side: int = MIN_SIDE) -> tuple[int
     return height + height % 2, width + width % 2, scale
 
 
-def yuv420(frame: np.ndarray) -> np.ndarray:
+def yuv420(frame: np.ndarray, scale: int = 1, size: tuple[int, int] | None = None) -> np.ndarray:
     """A uint8 RGB frame [H, W, 3] (H, W even) -> its yuv420p planes stacked [3H/2, W] (Y, then
     Cb and Cr, each [H/2, W/2] laid out as W-wide rows): BT.709, limited range (Y 16-235, C
     16-240), each chroma sample on an even column ([1, 2, 1] / 4 across it) and between two rows
-    (their mean), as H.264's default (left) chroma siting puts it."""
-    height, width = frame.shape[:2]
+    (their mean), as H.264's default (left) chroma siting puts it.
+
+    `scale` and `size` (height, width): the planes of the frame first repeated `scale` times
+    along both axes and then brought to `size` by repeating its last row and column, bit for bit
+    what converting that enlarged frame gives: the per-pixel arithmetic runs before the
+    enlargement, on scale^2 fewer pixels."""
     rgb = frame.astype(np.float32) / 255
     luma = _KR * rgb[..., 0] + (1 - _KR - _KB) * rgb[..., 1] + _KB * rgb[..., 2]
-    planes = [16 + 219 * luma]
-    for channel, k in ((2, _KB), (0, _KR)):  # Cb, Cr
-        chroma = (rgb[..., channel] - luma) / (2 * (1 - k))
+    full = [luma] + [
+        (rgb[..., channel] - luma) / (2 * (1 - k)) for channel, k in ((2, _KB), (0, _KR))
+    ]  # Y, Cb, Cr before the chroma subsampling
+    if scale > 1:
+        full = [plane.repeat(scale, axis=0).repeat(scale, axis=1) for plane in full]
+    height, width = size or full[0].shape
+    if (height, width) != full[0].shape:
+        pad = ((0, height - full[0].shape[0]), (0, width - full[0].shape[1]))
+        full = [np.pad(plane, pad, mode="edge") for plane in full]
+    planes = [16 + 219 * full[0]]
+    for chroma in full[1:]:
         chroma = 0.5 * (chroma[0::2] + chroma[1::2])
         edged = np.pad(chroma, ((0, 0), (1, 1)), mode="edge")
         chroma = 0.25 * edged[:, 0:-2:2] + 0.5 * edged[:, 1:-1:2] + 0.25 * edged[:, 2::2]
@@ -208,13 +220,8 @@ class VideoWriter:
                 f"frame {self.frames_written} of {self.path} is {frame.shape[0]} x "
                 f"{frame.shape[1]}, the video's frames {self.frame_size[0]} x {self.frame_size[1]}"
             )
-        if self._scale > 1:
-            frame = frame.repeat(self._scale, axis=0).repeat(self._scale, axis=1)
-        height, width = self._size
-        if frame.shape[:2] != (height, width):
-            pad = ((0, height - frame.shape[0]), (0, width - frame.shape[1]), (0, 0))
-            frame = np.pad(frame, pad, mode="edge")
-        picture = av.VideoFrame.from_ndarray(yuv420(frame), format=PIXEL_FORMAT)
+        planes = yuv420(frame, self._scale, self._size)
+        picture = av.VideoFrame.from_ndarray(planes, format=PIXEL_FORMAT)
         for name, value in _COLOUR.items():
             setattr(picture, name, value)
         picture.pts = self.frames_written

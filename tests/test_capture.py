@@ -41,16 +41,26 @@ STORE_ATTRS = {
 
 
 def _capture_rollout(
-    model, text, path, layer, *, local_attn_size=-1, sink_size=0, tokens=True, store="tokens"
+    model,
+    text,
+    path,
+    layer,
+    *,
+    local_attn_size=-1,
+    sink_size=0,
+    tokens=True,
+    store="tokens",
+    values=False,
 ):
     """Roll out with the capture of one layer into a store of kind `store` (`tokens`, or an
     `attention` store, computed 4 query rows at a time so that a tile takes several chunks),
-    recording that layer's pre-RoPE q and k."""
+    recording that layer's pre-RoPE q and k (and with `values` its v: triples, not pairs)."""
     records = []
     attn = model.blocks[layer].self_attn
     handles = [
         attn.norm_q.register_forward_hook(lambda m, a, out: records.append(["q", out.clone()])),
         attn.norm_k.register_forward_hook(lambda m, a, out: records.append(["k", out.clone()])),
+        attn.v.register_forward_hook(lambda m, a, out: records.append(["v", out.clone()])),
     ]
     passes = resolve_passes("all", 4)
     common = dict(
@@ -85,6 +95,9 @@ def _capture_rollout(
     # One q and one k per model call, in call order: calls[block * 5 + pass] = (q, k).
     qs = [r[1][0] for r in records if r[0] == "q"]
     ks = [r[1][0] for r in records if r[0] == "k"]
+    if values:
+        vs = [r[1][0] for r in records if r[0] == "v"]
+        return list(zip(qs, ks, vs, strict=True))
     return list(zip(qs, ks, strict=True))
 
 

@@ -349,12 +349,12 @@ def test_attention_captured_over_cache_slots_is_the_survey_of_the_same_rollout(t
 
 def test_the_demo_runs_the_closed_loop(demo_run):
     """The embedded default: 42 frames of demo_a / eagle under each policy at budget 9 (and
-    Participative Compression's cache of 21), attention captured over the cache's slots in every
-    rollout (the token-level ones too), a summary beside the offline recall."""
+    Deep Forcing's Participative Compression cache of 21), attention captured over the cache's
+    slots in every rollout (the token-level ones too), a summary beside the offline recall."""
     folder = demo_run / "results/closed_loop/demo_a/eagle"
     reference, meta = load_latents(folder / "full.safetensors")
     assert reference.shape[1] == 42 and meta["policy"] == {"name": "full"}
-    policies = ["window", "sink_window", "deep_sink", "participative", "deep_forcing", "top_c"]
+    policies = ["window", "sink_window", "deep_forcing", "top_c"]
     for policy in policies:
         with open(folder / f"{policy}.csv") as f:
             rows = list(csv.DictReader(f))

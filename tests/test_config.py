@@ -191,7 +191,7 @@ def test_schema_refuses(change, message):
         ),
         (
             lambda c: c["policies"].update(capacity=6),
-            "policies.capacity=6 is less than closed_loop.budget=9: participative prunes its "
+            "policies.capacity=6 is less than closed_loop.budget=9: deep_forcing prunes its "
             "cache of capacity frames to the budget",
         ),
         (
@@ -246,8 +246,7 @@ def test_schema_refuses(change, message):
         ),
         (
             lambda c: c["sampler"].update(kind="rolling"),
-            "closed_loop.policies: ['participative', 'deep_forcing', 'top_c'] do not run on the "
-            "rolling sampler",
+            "closed_loop.policies: ['deep_forcing', 'top_c'] do not run on the rolling sampler",
         ),
         (
             lambda c: (
@@ -455,8 +454,12 @@ def test_figure_runs():
     assert len(entries.figure_runs(everything)) == 4
 
 
+# Every policy the demo's closed loop could run (it runs four of them).
+ALL_LOOP_POLICIES = ["window", "sink_window", "deep_sink", "participative", "deep_forcing", "top_c"]
+
+
 def test_closed_loop_entries_and_params(tmp_path):
-    config = checked()
+    config = checked(lambda c: c["closed_loop"].update(policies=ALL_LOOP_POLICIES))
     assert entries.closed_loop_runs(config) == [("demo_a", "eagle")]
     assert entries.closed_loop_policy(config, "deep_sink") == {
         "name": "deep_sink",
@@ -487,7 +490,9 @@ def test_closed_loop_entries_and_params(tmp_path):
     }
     # A policy's settings are only those it uses: the turn reruns only deep_sink and
     # deep_forcing, the capacity only Participative Compression.
-    turned = checked(lambda c: c["closed_loop"].update(sink_turn="rerope"))
+    turned = checked(
+        lambda c: c["closed_loop"].update(policies=ALL_LOOP_POLICIES, sink_turn="rerope")
+    )
     changed = {
         name
         for name in entries.closed_loop_policies(config)

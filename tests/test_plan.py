@@ -44,9 +44,9 @@ def test_plan_counts_every_writing_job_with_its_bound():
     )
     assert len(attention.jobs) == 4 and set(attention.jobs.values()) == {4 * one}
     loop = families["closed loop"]
-    # One job per run: the latents of the full cache and of the 6 policies, and layer 0 captured
+    # One job per run: the latents of the full cache and of the 4 policies, and layer 0 captured
     # over the cache's slots in each: 42 frames of keys for the full cache, the 21 + 3 frames
-    # Participative Compression holds before a prune, the budget of 9 for the others.
+    # Deep Forcing's Participative Compression holds before a prune, the budget of 9 for the others.
     assert list(loop.jobs) == ["closed_loop demo_a/eagle"]
     latents = 16 * 42 * 8 * 12 * 4
 
@@ -60,8 +60,8 @@ def test_plan_counts_every_writing_job_with_its_bound():
             key_slots=frames * 24,
         )
 
-    stores = over_slots(42) + 2 * over_slots(24) + 4 * over_slots(9)
-    assert loop.jobs["closed_loop demo_a/eagle"] == 7 * latents + stores
+    stores = over_slots(42) + over_slots(24) + 3 * over_slots(9)
+    assert loop.jobs["closed_loop demo_a/eagle"] == 5 * latents + stores
     # Linear in the frames: twice the frames, twice a window's store (to its fixed overheads).
     twice = attention_store_disk_bytes(
         num_passes=5,
@@ -73,7 +73,7 @@ def test_plan_counts_every_writing_job_with_its_bound():
     )
     assert 1.9 < twice / over_slots(9) <= 2.0
     text = plan.format_plan(config)
-    largest = (7 * latents + stores) / 1e6
+    largest = (5 * latents + stores) / 1e6
     assert f"largest job: closed_loop demo_a/eagle, {largest:.1f} MB" in text
     assert re.search(r"free on .* \(fits\)", text)
     assert plan.job_disk_mb(config, "demo_a", "extract") == -(-bound // 1_000_000)
@@ -268,15 +268,15 @@ def vae_line(job: str, latent: tuple[int, int], rollouts: int, frames: int, part
 
 
 def test_the_plan_estimates_the_largest_decode_job():
-    """One line for the video job of the largest VAE decode: the closed loop's 7 rollouts of 42
+    """One line for the video job of the largest VAE decode: the closed loop's 5 rollouts of 42
     frames as one batch (the demo VAE's base_dim 1, bf16 as on a GPU); with `videos: all` and no
     closed loop, a survey's lone rollout of 21 frames; none with `videos: none`."""
     from sinkscope.workflow.resources import vae_decode_bytes
 
     config = checked()
-    parts = vae_decode_bytes(8, 12, base_dim=1, value_bytes=2, batch=7, num_frames=42)
+    parts = vae_decode_bytes(8, 12, base_dim=1, value_bytes=2, batch=5, num_frames=42)
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
-    expected = vae_line("videos demo_a", (8, 12), 7, 42, parts)
+    expected = vae_line("videos demo_a", (8, 12), 5, 42, parts)
     assert f"  VAE decode (estimate, bf16): {expected}" in plan.format_plan(config).splitlines()
 
     def survey_only(c: dict) -> None:

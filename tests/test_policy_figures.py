@@ -173,7 +173,7 @@ def test_policy_file_names_round_trip():
         *figures.survey_figures("o", [0, 1], "svg"),
         *figures.survey_compare_figures("o", [0, 1], "svg"),
     ]
-    assert len(others) == 9 + 3 + 6 + 2
+    assert len(others) == 9 + 3 + 7 + 2
     assert not any("policy" in f.path or f.kind.scope == "policies" for f in others)
     for f in others:
         assert figures.parse_figure_path(f.path)[0] is f.kind

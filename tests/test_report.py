@@ -141,11 +141,11 @@ def test_report_holds_every_figure_with_its_caption_and_labels(demo_report):
     results = embedded(page, "results")
     categories = embedded(page, "categories")
     expected = expected_figures()
-    # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 6 survey
+    # figure4, 3 per token or heads layer, layer_comparison, statistics, 3 policy and 7 survey
     # figures per run; 3 across runs, the surveys' sink rates of every run and their heads across
     # checkpoints, 4 of the closed loop; 2 video figures per decoded closed-loop run.
-    per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 6
-    assert len(expected) == len(RUNS) * per_run + 3 + 2 + 4 + 2 * len(VIDEO_RUNS) == 29
+    per_run = 1 + 3 * len(FIGURE_LAYERS) + 2 + 3 + 7
+    assert len(expected) == len(RUNS) * per_run + 3 + 2 + 4 + 2 * len(VIDEO_RUNS) == 30
     images = {path for path, entry in results.items() if entry["mime_type"].startswith("image/")}
     assert images == set(expected)
     for path, (subcategory, caption, labels) in expected.items():

@@ -33,10 +33,11 @@ def small_config(config: dict) -> None:
 
 
 def outputs_of(workdir: Path, checkpoint: str) -> list[Path]:
+    """A run's own outputs. Its statistics CSVs are not among them: one job (summary) computes
+    every run's, so a failed run holds them back until it is fixed."""
     results = workdir / "results"
     return [
         results / f"frames/{checkpoint}/eagle/layer0.zarr",
-        results / f"stats/{checkpoint}/eagle/layer0.csv",
         results / f"figures/{checkpoint}/eagle/figure4.svg",
     ]
 
@@ -70,7 +71,7 @@ def keep_going(demo_run, tmp_path_factory):
 def test_a_broken_checkpoint_fails_alone_with_its_cause_logged(keep_going):
     _, state = keep_going
     assert state["failed"].returncode != 0
-    assert state["after_failure"] == {"mine": [True] * 3, "broken": [False] * 3}
+    assert state["after_failure"] == {"mine": [True] * 2, "broken": [False] * 2}
     assert f"{BROKEN_WEIGHTS}: not a readable safetensors file" in state["log"]
     # Nothing of the failed job is left that could pass for a result.
     assert state["leftovers"] == []
@@ -84,16 +85,15 @@ def test_the_rerun_after_the_fix_runs_only_what_is_missing(keep_going):
     assert {r for r, _ in planned} == {
         "extract",
         "reduce",
-        "stats",
         "policies",
         "figures",
         "summary",
-        "compare_figures",
         "all",
     }
     assert [p.stat().st_mtime_ns for p in outputs_of(workdir, "mine")] == state["mine_mtimes"]
     for checkpoint in ("mine", "broken"):
         assert all(p.exists() for p in outputs_of(workdir, checkpoint))
+        assert (workdir / f"results/stats/{checkpoint}/eagle/layer0.csv").exists()
     assert planned_jobs(workdir) == set()
 
 

@@ -31,12 +31,12 @@ from .workflowtools import copy_workflow, edit_config, snakemake
 # Runs Snakemake in a subprocess: `pytest -m "not workflow"` leaves it out.
 pytestmark = pytest.mark.workflow
 
-# The demo surveys every layer, so its frame datasets come from the survey (reduce_attention
-# runs locally) and rule reduce has nothing to do.
+# The demo surveys every layer, so its frame datasets come from the survey (reduced by rule
+# policies, a cluster job) and rule reduce has nothing to do.
 SBATCH_RULES = {"encode_prompt", "extract", "survey", "policies", "closed_loop"}
 RUNS = [(c, p, layer) for c in ("demo_a", "demo_b") for p in ("eagle", "harbor") for layer in (0,)]
 # The closed loop goes through sbatch as one job; one policy is enough to show it (the demo's
-# seven make it the longest job, and the plugin's status checks back off while it runs).
+# five make it the longest job, and the plugin's status checks back off while it runs).
 CLOSED_LOOP_POLICIES = ("full", "window")
 # What the tests read: every job that goes through sbatch and the local ones the comparison with
 # a local run needs; the demo's figures of each run (local jobs, ~50 s of the 2-core test

@@ -84,6 +84,55 @@ def _brute_attention(calls, local_attn_size, sink_size):
 
 
 @pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 1)], ids=["full", "sink"])
+def test_the_value_side_equals_float64_brute_force(
+    tmp_path, tiny_model, tiny_text, local_attn_size, sink_size
+):
+    """value_norm and mass_value_norm of the store and its frame dataset against float64 from
+    the layer's own v: a cached frame's values are those of its block's cache pass, the own
+    block's those of the call; mass x ||v|| from the brute-force key mass."""
+    window = dict(local_attn_size=local_attn_size, sink_size=sink_size)
+    attention = tmp_path / "attention.zarr"
+    calls = _capture_rollout(
+        tiny_model, tiny_text, attention, 1, store="attention", values=True, **window
+    )
+    key_mass, _, _ = _brute_attention([(q, k) for q, k, _ in calls], **window)
+    seen = visible_frames(TINY_GEOMETRY.block_sizes, local_attn_size, sink_size)
+    num_frames, heads = TINY_GEOMETRY.num_frames, TINY.num_heads
+    value_norm = np.full((5, heads, num_frames, num_frames), np.nan)
+    mass_value_norm = np.full_like(value_norm, np.nan)
+    clean = {}  # frame -> ||v|| [T, heads] of its block's cache pass
+    sizes = TINY_GEOMETRY.block_sizes
+    for block, start in enumerate(block_starts(sizes)):
+        start, size = int(start), sizes[block]
+        for step in range(5):
+            v = calls[block * 5 + step][2].double().numpy().reshape(-1, heads, TINY.head_dim)
+            norms = np.linalg.norm(v, axis=-1)  # [tokens, heads]
+            own = {start + i: norms[i * T : (i + 1) * T] for i in range(size)}
+            frames = {**clean, **own}
+            for frame in range(start, start + size):
+                for key_frame in np.flatnonzero(seen[frame]):
+                    per_token = frames[key_frame].T  # [heads, T]
+                    mass = key_mass[step, :, frame, key_frame * T : (key_frame + 1) * T]
+                    value_norm[step, :, frame, key_frame] = per_token.mean(axis=1)
+                    mass_value_norm[step, :, frame, key_frame] = (mass * per_token).sum(axis=1)
+            if step == 4:
+                clean.update(own)
+
+    stored = xr.open_zarr(attention, chunks=None)
+    for name, expected in (("value_norm", value_norm), ("mass_value_norm", mass_value_norm)):
+        values = stored[name].values
+        np.testing.assert_array_equal(np.isnan(values), np.isnan(expected))
+        np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+    reduce_attention_store(attention, tmp_path / "frames.zarr")
+    frames = open_frame_dataset(tmp_path / "frames.zarr")
+    for name, expected in (("value_norm", value_norm), ("mass_value_norm", mass_value_norm)):
+        assert frames[name].dims == ("step", "head", "query_frame", "key_frame")
+        np.testing.assert_allclose(frames[name].values, expected, rtol=1e-5, atol=1e-6)
+    # The norms differ between keys: a mass-only (or norm-only) result would not pass.
+    assert np.nanmax(value_norm) > 1.05 * np.nanmin(value_norm)
+
+
+@pytest.mark.parametrize(("local_attn_size", "sink_size"), [(-1, 0), (4, 1)], ids=["full", "sink"])
 def test_both_stores_reduce_to_the_float64_brute_force(
     tmp_path, tiny_model, tiny_text, local_attn_size, sink_size
 ):
@@ -173,8 +222,8 @@ def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
         a, t = attention.logit_mean.values, tokens.logit_mean.values
         np.testing.assert_array_equal(np.isnan(a), np.isnan(t))
         np.testing.assert_allclose(a, t, rtol=1e-6, atol=1e-6)  # as in the test above
-        # The same Contract 2 but for the store each came from.
-        assert set(attention.variables) == set(tokens.variables)
+        # The same Contract 2 but for the store each came from; the survey adds the value side.
+        assert set(attention.variables) == set(tokens.variables) | {"value_norm", "mass_value_norm"}
         per_job = {
             "store",
             "key_axis",
@@ -205,8 +254,9 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
         local_attn_size=-1,
         sink_size=0,
     )
-    # key_mass and key_logit_mean float32 per key token; entropy and pooled logits.
-    assert raw == 2 * 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 21 * 21) * 4
+    # key_mass and key_logit_mean float32 per key token; entropy; per frame pair the pooled
+    # logits, value_norm and mass_value_norm.
+    assert raw == 2 * 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 3 * 21 * 21) * 4
     assert raw / tokens < 0.01
     # The bound holds for incompressible key mass on a small geometry.
     num_frames, chunk_frames = sum(sizes), attention_chunk_frames(sizes)

@@ -32,6 +32,7 @@ from sinkscope.analysis.plots.survey import (
     plot_survey_sink_rate,
     plot_survey_sink_rate_runs,
     plot_survey_spatial,
+    plot_survey_value_norms,
 )
 from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.storage import mark_complete
@@ -101,6 +102,23 @@ def make_survey(
         ],
         axis=-1,
     )
+    # The value side: a norm per key token and head, the same copy for every query (as a
+    # survey's cached keys); per key frame their mean and the mass-weighted sum.
+    norms = rng.uniform(0.5, 2.0, (num_heads, key_frame.size))
+    norms[:, key_frame == 0] *= 0.25  # frame 0 carries small values
+    value_norm = np.stack([norms[:, key_frame == f].mean(axis=-1) for f in range(num_frames)], -1)
+    value_norm = np.where(
+        frames.visible_frames(block_sizes)[None, None],
+        np.broadcast_to(value_norm[None, :, None, :], prob_mass.shape),
+        np.nan,
+    )
+    weighted = key_mass * norms[None, :, None, :]
+    mass_value_norm = np.stack(
+        [weighted[..., key_frame == f].sum(axis=-1) for f in range(num_frames)], axis=-1
+    )
+    mass_value_norm = np.where(frames.visible_frames(block_sizes), mass_value_norm, np.nan)
+    pooled_dims = ("step", "head", "pooled_query_frame", "pooled_key_frame")
+    frame_dims = ("step", "head", "query_frame", "key_frame")
     attrs = {
         "checkpoint": checkpoint,
         "prompt": prompt,
@@ -121,6 +139,8 @@ def make_survey(
                 ("step", "head", "pooled_query_frame", "pooled_key_frame"),
                 logit_frames.astype(np.float32),
             ),
+            "value_norm": (pooled_dims, value_norm.astype(np.float32)),
+            "mass_value_norm": (pooled_dims, mass_value_norm.astype(np.float32)),
         },
         coords={
             "timestep": ("step", TIMESTEPS),
@@ -135,6 +155,8 @@ def make_survey(
             "logit_mean": (("step", "head", "query_frame", "key_frame"), logit_frames),
             "prob_mass": (("step", "head", "query_frame", "key_frame"), prob_mass),
             "entropy": (("step", "head", "query_frame"), entropy),
+            "value_norm": (frame_dims, value_norm),
+            "mass_value_norm": (frame_dims, mass_value_norm),
         },
         coords={
             "step": np.arange(TIMESTEPS.size),
@@ -235,10 +257,21 @@ def mesh_values(ax) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # the registry
 
+# The survey's own figure kinds, in the registry's order.
+SURVEY_KINDS = [
+    "first_frame",
+    "head_class",
+    "sink_rate",
+    "spatial",
+    "sink_by_block",
+    "entropy",
+    "value_norms",
+]
+
 
 def test_survey_file_names_round_trip():
     files = figures.survey_figures("out/c/p", [3, 0, 2, 1], "png")
-    names = ["first_frame", "head_class", "sink_rate", "spatial", "sink_by_block", "entropy"]
+    names = SURVEY_KINDS
     assert [f.path for f in files] == [f"out/c/p/survey_{name}.png" for name in names]
     assert [f.kind.name for f in files] == names
     assert all(f.layers == (0, 1, 2, 3) and f.kind.scope == "survey" for f in files)
@@ -497,7 +530,7 @@ def test_render_survey_figures(tmp_path):
         recent_threshold=0.6,
         step=2,
     )
-    names = ["first_frame", "head_class", "sink_rate", "spatial", "sink_by_block", "entropy"]
+    names = SURVEY_KINDS
     assert written == [out / f"survey_{name}.svg" for name in names]
     rule = "first-frame mass ≥ 2× uniform share"
     wanted = {
@@ -507,6 +540,7 @@ def test_render_survey_figures(tmp_path):
         "spatial": ["L2H1 · mass", "step 2 · t=833.33", TOKEN_MULTIPLE_LABEL, rule],
         "sink_by_block": ["step 2 · t=833.33", "Query block (0-based)", "sink: ", "≥ 2×"],
         "entropy": [ENTROPY_LABEL, "step 4 · cache pass", "Layer (0-based)"],
+        "value_norms": ["L0H0: frame", "share of mass x ||v||", "t=833.33"],
     }
     for name, texts in wanted.items():
         path = out / f"survey_{name}.svg"
@@ -527,6 +561,7 @@ def test_render_survey_figures(tmp_path):
             opened, step=2, sink_threshold=2.0, recent_threshold=0.6
         ),
         "entropy": plot_survey_entropy(opened),
+        "value_norms": plot_survey_value_norms(opened, heads=[(0, 0)], step=2),
     }
     for name, fig in alone.items():
         save_figure(fig, tmp_path / f"{name}.svg")
@@ -890,3 +925,40 @@ def test_the_survey_compare_figures_share_each_runs_statistics(tmp_path, monkeyp
     for out in outs:
         render_figures(frame_paths, [alone / out.name], heads=[(0, 0)])
         assert (alone / out.name).read_bytes() == out.read_bytes()
+
+
+def test_value_norms_bars_and_line_are_the_last_blocks_value_side():
+    """Per head, the grey bars are each key frame's share of the last block's mass, the red
+    ones its share of mass x ||v||, the line the mean ||v||; a frame of small values gets less
+    of the second share. Without a surveyed figure head, the strongest sinks are shown."""
+    _, datasets = make_run(4, num_heads=4)
+    step = 1
+    fig = plot_survey_value_norms(datasets, heads=[(2, 1), (9, 0), (0, 2)], step=step)
+    axes = [ax for ax in fig.axes if ax.get_xlabel()]  # the bar panels, not their twins
+    assert [ax.get_title().split(":")[0] for ax in axes] == ["L2H1", "L0H2"]  # L9 not surveyed
+    twins = [ax for ax in fig.axes if not ax.get_xlabel()]
+    for ax, twin, (layer, head) in zip(axes, twins, [(2, 1), (0, 2)], strict=True):
+        ds = datasets[layer]
+        rows = last_rows(ds)
+        mass = ds["prob_mass"].values[step, head, rows].mean(axis=0)
+        weighted = ds["mass_value_norm"].values[step, head, rows].mean(axis=0)
+        norms = ds["value_norm"].values[step, head, rows].mean(axis=0)
+        grey, red = ax.patches[: mass.size], ax.patches[mass.size :]
+        np.testing.assert_allclose([bar.get_height() for bar in grey], mass / mass.sum())
+        np.testing.assert_allclose([bar.get_height() for bar in red], weighted / weighted.sum())
+        np.testing.assert_allclose(twin.lines[0].get_ydata(), norms)
+    # L2H1 is a planted sink on frame 0, whose values are small: less of the second share.
+    grey, red = axes[0].patches[0].get_height(), axes[0].patches[9].get_height()
+    assert grey > 0.5 and red < grey
+    strongest = plot_survey_value_norms(datasets, heads=[(9, 9)], step=step, sink_threshold=2.0)
+    titles = [ax.get_title().split(":")[0] for ax in strongest.axes if ax.get_xlabel()]
+    assert titles == ["L2H1", "L0H3"]  # PLANTED, strongest first
+
+
+def test_value_norms_of_a_survey_without_them_names_the_rerun():
+    _, datasets = make_run(2, num_heads=2)
+    old = [ds.drop_vars(["value_norm", "mass_value_norm"]) for ds in datasets]
+    with pytest.raises(
+        ValueError, match=r"demo.*no value_norm or mass_value_norm.*forcerun survey"
+    ):
+        plot_survey_value_norms(old, heads=[(0, 0)])

@@ -223,3 +223,13 @@ def test_yuv420_is_bt709_limited_range():
     red = yuv420(np.broadcast_to(np.array([255, 0, 0], np.uint8), (2, 2, 3)).copy())
     # BT.709: Y = 16 + 219 * 0.2126, Cb = 128 - 224 * 0.2126 / 1.8556, Cr = 128 + 112
     assert red.reshape(-1).tolist() == [63, 63, 63, 63, 102, 240]
+
+
+@pytest.mark.parametrize("shape, scale", [((4, 6), 1), ((5, 7), 1), ((6, 10), 2), ((5, 9), 3)])
+def test_yuv420_of_a_small_frame_equals_that_of_the_enlarged_frame(shape, scale):
+    """The writer converts before enlarging: bit for bit the planes of the enlarged frame."""
+    frame = np.random.default_rng(scale).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    big = frame.repeat(scale, axis=0).repeat(scale, axis=1)
+    height, width = big.shape[0] + big.shape[0] % 2, big.shape[1] + big.shape[1] % 2
+    big = np.pad(big, ((0, height - big.shape[0]), (0, width - big.shape[1]), (0, 0)), "edge")
+    np.testing.assert_array_equal(yuv420(frame, scale, (height, width)), yuv420(big))

@@ -103,7 +103,7 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     edit_config(workdir, lambda c: (c.update(layers=[0]), c["prompts"].update(fox="A red fox")))
     jobs = planned_jobs(workdir)
     assert {w for r, w in jobs if r == "encode_prompt"} == {"prompt=fox"}
-    new_run_rules = {"survey", "reduce_attention", "stats", "figures"}
+    new_run_rules = {"survey", "policies", "figures"}
     assert all("prompt=fox" in w for r, w in jobs if r in new_run_rules)
     assert len([r for r, _ in jobs if r == "survey"]) == 2
     assert not [r for r, _ in jobs if r == "extract"]  # not in capture.token_runs
@@ -224,7 +224,7 @@ def test_every_output_a_user_opens_is_restored_by_a_plain_rerun(demo_run, tmp_pa
     (workdir / "results/stats/sink_rate.csv").unlink()
     (workdir / "results/figures/demo_a/eagle/layer2_frame_maps.svg").unlink()
     jobs = planned_jobs(workdir)
-    assert ("reduce_attention", "checkpoint=demo_b, prompt=harbor") in jobs
+    assert ("policies", "checkpoint=demo_b, prompt=harbor") in jobs  # its frame datasets
     assert ("summary", "") in jobs
     assert ("figures", "checkpoint=demo_a, prompt=eagle") in jobs
     assert not {rule for rule, _ in jobs} & {"extract", "encode_prompt"}

@@ -68,7 +68,7 @@ FAMILIES = ("run", "compare", "survey", "policy", "closed_loop", "video")
 
 # A family's helper modules, `<family>_<part>.py` (its data side, a drawing part two of its
 # figures share), split off so that the family module stays readable at one sitting.
-HELPER_MODULES = {"survey": ("survey_data",), "run": ("run_data", "run_profile")}
+HELPER_MODULES = {"survey": ("survey_data", "survey_maps"), "run": ("run_data", "run_profile")}
 
 
 def test_the_plot_families_are_the_registrys():

@@ -14,7 +14,8 @@ and run figures, Fig. 4 among them), `compare` (across runs), `survey` (the whol
 `policy` (KV-cache policy recall), `closed_loop` (rollouts past the cache), `video` (one
 closed-loop run's decoded rollouts beside its diagnostics). Shared drawing helpers live in
 `plots/common.py`; a family module never imports another (parts of a family may live in
-helper modules `plots/<family>_<part>.py`: `survey_data`, `run_data`, `run_profile`).
+helper modules `plots/<family>_<part>.py`: `survey_data`, `survey_maps`, `run_data`,
+`run_profile`).
 
 Adding a figure to a family touches four files: a `plot_*` function in its family module, an
 entry here, a caption in report/, a test in the family's test module
@@ -209,6 +210,13 @@ FIGURES = {
         ),
         FigureKind(
             "entropy", "survey.plot_survey_entropy", "survey_entropy.rst", "survey", "surveyed"
+        ),
+        FigureKind(
+            "value_norms",
+            "survey.plot_survey_value_norms",
+            "survey_value_norms.rst",
+            "survey",
+            "surveyed",
         ),
         FigureKind(
             "sink_rate_runs",

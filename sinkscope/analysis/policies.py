@@ -441,7 +441,7 @@ def write_policies(
 ) -> None:
     """The recall table of one run, written atomically as CSV: every layer of `frame_stores`;
     token-level rows for the layers that also have one of `attention_stores` (matched by
-    layer)."""
+    layer). The rows follow the layers' order, whatever the order of `frame_stores`."""
     attention = {}
     for path in attention_stores:
         store = open_attention_store(path, key_tokens=True)
@@ -449,18 +449,23 @@ def write_policies(
     tables = []
     for frame_store in frame_stores:
         frames = open_frame_dataset(frame_store)
+        layer = int(frames["layer"].values)
         tables.append(
-            policy_table(
-                frames,
-                attention.get(int(frames["layer"].values)),
-                budgets=budgets,
-                sinks=sinks,
-                recent_frames=recent_frames,
-                capacity=capacity,
-                reuse_cap=reuse_cap,
+            (
+                layer,
+                policy_table(
+                    frames,
+                    attention.get(layer),
+                    budgets=budgets,
+                    sinks=sinks,
+                    recent_frames=recent_frames,
+                    capacity=capacity,
+                    reuse_cap=reuse_cap,
+                ),
             )
         )
-    table = pd.concat(tables, ignore_index=True)
+    tables.sort(key=lambda pair: pair[0])
+    table = pd.concat([table for _, table in tables], ignore_index=True)
     write_csv(out_csv, table)
 
 

@@ -45,6 +45,7 @@ from sinkscope.analysis.stores import (
 from sinkscope.frames import block_of_frame
 from sinkscope.storage import (
     ATTRIBUTES_CHECKSUM,
+    VALUE_FRAME_VARIABLES,
     VARIABLE_ATTRS,
     atomic_path,
     checked_compressors,
@@ -399,7 +400,15 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
     logit_mean = read_values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
     _check_mass(path, prob_mass, logit_mean)
     versions = read_values(path, ds, "key_version", kind) if "key_version" in ds else None
-    return _frame_dataset(ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions)
+    # The value side, where the store has it (stores of older surveys have none).
+    values = {
+        name: read_values(path, ds, name, kind).astype(np.float32)
+        for name in VALUE_FRAME_VARIABLES
+        if name in ds
+    }
+    return _frame_dataset(
+        ds, path, logit_mean, prob_mass, entropy, sizes, "attention", versions, values
+    )
 
 
 def _attention_prob_mass(
@@ -487,11 +496,13 @@ def _frame_dataset(
     sizes: list[int],
     store: str,
     key_version: np.ndarray | None = None,
+    values: dict[str, np.ndarray] | None = None,
 ) -> xr.Dataset:
     """Contract 2 from the reduced arrays and the store `ds` (of kind `store`) they come from;
     every variable and coordinate with its long_name and units (`storage.VARIABLE_ATTRS`), the
     attributes netCDF-safe (`storage.encode_attrs`). `key_version`: which copy of each key
-    frame each query frame saw per pass (stores before it have none)."""
+    frame each query frame saw per pass (stores before it have none); `values`: frame-level
+    arrays of the value side (`storage.VALUE_FRAME_VARIABLES`) as the store holds them."""
     kind = STORE_NAMES[store]
     num_steps, num_heads, num_frames = logit_mean.shape[:3]
     frames = np.arange(num_frames)
@@ -509,6 +520,8 @@ def _frame_dataset(
     }
     if key_version is not None:
         variables["key_version"] = ((FRAME_DIMS[0], *FRAME_DIMS[2:]), key_version)
+    for name, array in (values or {}).items():
+        variables[name] = (FRAME_DIMS, array)
     coords = {
         "step": ("step", np.arange(num_steps)),
         "head": ("head", np.arange(num_heads)),

@@ -30,7 +30,9 @@ Rows per head, and per layer (`head = mean`):
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -40,6 +42,8 @@ import xarray as xr
 
 from sinkscope.analysis.stores import open_frame_dataset
 from sinkscope.storage import write_csv, write_text_atomically
+
+LOG = logging.getLogger(__name__)
 
 MEASURES = ("logit_mean", "prob_mass")
 QUERY_MODES = ("last_block", "each_block", "each_frame")
@@ -435,10 +439,12 @@ def write_run_stats(
     sink_threshold: float = SINK_THRESHOLD,
     recent_threshold: float = RECENT_THRESHOLD,
 ) -> None:
-    """`write_stats` of each frame dataset of a run to the matching CSV path."""
+    """`write_stats` of each frame dataset (of one run or many) to the matching CSV path, with
+    a progress line every 10 s."""
     if len(frame_stores) != len(csv_paths):
         raise ValueError(f"{len(frame_stores)} frame datasets but {len(csv_paths)} CSV paths")
-    for frame_store, csv_path in zip(frame_stores, csv_paths, strict=True):
+    start = reported = time.monotonic()
+    for done, (frame_store, csv_path) in enumerate(zip(frame_stores, csv_paths, strict=True), 1):
         write_stats(
             frame_store,
             csv_path,
@@ -446,6 +452,12 @@ def write_run_stats(
             sink_threshold=sink_threshold,
             recent_threshold=recent_threshold,
         )
+        now = time.monotonic()
+        if now - reported >= 10 or done == len(frame_stores):
+            LOG.info(
+                "statistics of %d/%d frame datasets, %.1f s", done, len(csv_paths), now - start
+            )
+            reported = now
 
 
 def summarize(tables: Iterable[pd.DataFrame]) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,32 @@ KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
 # The `store` attribute of a store (and of the frame dataset reduced from it), in words.
 STORE_NAMES = {"tokens": "token store", "attention": "attention store"}
 FRAME_DIMS = ("step", "head", "query_frame", "key_frame")
+
+
+def defer_dask_import() -> None:
+    """Let xarray import dask.array only once something else has.
+
+    xarray asks for dask's array class (`pycompat.array_type("dask")`) the first time it builds
+    any variable, to test whether data is a dask array; with dask installed that imports
+    dask.array, and with it scipy.fft: 0.7 s in every analysis job, most of which never use dask
+    (only the token stores' reduction does, and it imports dask.array itself). Until dask.array
+    is imported nothing can be a dask array, so the class list is empty until then; after it,
+    xarray's own record of dask is made and kept. Run when this module is imported (every
+    analysis job reads through it); tests/test_reduce.py checks both sides."""
+    from xarray.namedarray import pycompat
+
+    class DaskOnceImported:
+        def __getattr__(self, name):
+            if name == "type" and "dask.array" not in sys.modules:
+                return ()
+            real = pycompat.DuckArrayModule("dask")
+            pycompat._cached_duck_array_modules["dask"] = real
+            return getattr(real, name)
+
+    pycompat._cached_duck_array_modules.setdefault("dask", DaskOnceImported())
+
+
+defer_dask_import()
 
 
 def region_chunks(

@@ -7,9 +7,11 @@ token store (Contract 1) each such tile is queued to the store as float16. For a
 device to what the frame-level questions need: the mean probability of every key token over the
 query frame's rows (`key_mass`), the mean row entropy, and each key token's mean logit over the
 rows (`key_logit_mean`, from the frame's mean query: what a raw q.k score, Deep Forcing's
-Participative Compression, ranks by). Both record frame-level mean logits, which need no token
-pairs at all: a token store's from mean-pooled q and k, an attention store's as the mean of
-key_logit_mean over each key frame's tokens (the writer derives them).
+Participative Compression, ranks by); and each key's value norm ||v||, from which the writer
+derives per key frame how much the attention moves into the output (mass x ||v||). Both
+record frame-level mean logits, which need no token pairs at all: a token store's from
+mean-pooled q and k, an attention store's as the mean of key_logit_mean over each key frame's
+tokens (the writer derives them).
 """
 
 from __future__ import annotations
@@ -215,12 +217,12 @@ class LogitCapture:
             # (the sorting, gathering and pooling done here before were a quarter of a GPU
             # survey's kernel launches, all on the thread that feeds the GPU).
             key_mass, entropy, key_logit_mean = self._reductions(q, k)
-            writer.write_call(
-                step,
-                first_frame,
-                call,
-                *for_writer(writer, slot_frames, anchor, key_mass, entropy, key_logit_mean),
-            )
+            tensors = [slot_frames, anchor, key_mass, entropy, key_logit_mean]
+            if visible.values is not None:  # ||v|| of each key and head [heads, M], float32
+                # accumulated in float32 without a float32 copy of every value
+                norms = torch.linalg.vector_norm(visible.values[0], dim=-1, dtype=torch.float32)
+                tensors.append(norms.T)
+            writer.write_call(step, first_frame, call, *for_writer(writer, *tensors))
             return
         order = torch.argsort(slot_frames)
         key_frames = slot_frames[order]

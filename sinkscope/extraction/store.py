@@ -24,6 +24,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
 
 from sinkscope.schedules import UNSEEN_VERSION, ModelCall, key_versions
 from sinkscope.storage import (
+    VALUE_FRAME_VARIABLES,
     VARIABLE_ATTRS,
     checked_compressors,
     encode_attrs,
@@ -421,6 +422,10 @@ class AttentionStoreWriter(_StoreWriter):
         self.entropy = np.full(
             (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
         )
+        # Per key frame, as each query frame saw it: the mean value norm over its tokens and the
+        # sum of mass x value norm (F x F per step and head, kept in memory, written at close
+        # when the capture gave the value norms).
+        self.value_frames: dict[str, np.ndarray] | None = None
 
     key_dims = KEY_MASS_DIMS
 
@@ -477,11 +482,12 @@ class AttentionStoreWriter(_StoreWriter):
         key_mass: np.ndarray,
         entropy: np.ndarray,
         key_logit_mean: np.ndarray,
+        value_norm: np.ndarray | None = None,
     ) -> None:
         """One pass call's block, whole: `write_block`, and its pooled logits and key versions
         (`write_pooled`) derived here from what the call saw. `call`: the model call; key_frames
         (distinct, in any order) and `anchor` (whether a key frame is Rolling Forcing's anchor)
-        per key frame of the rows.
+        per key frame of the rows; `value_norm` [heads, keys]: each key's ||v|| (`write_values`).
 
         The pooled logits are the mean of key_logit_mean over each key frame's T tokens (float64):
         the mean logit over the frame pair's token pairs, which a token store computes as
@@ -491,7 +497,40 @@ class AttentionStoreWriter(_StoreWriter):
         pooled = key_logit_mean.reshape(heads, frames, -1, t).mean(axis=-1, dtype=np.float64)
         versions = key_versions(call, key_frames, anchor).astype(np.int8)
         self.write_pooled(step, first_query_frame, key_frames, pooled, versions)
+        if value_norm is not None:
+            self.write_values(step, first_query_frame, key_frames, key_mass, value_norm)
         self.write_block(step, first_query_frame, key_frames, key_mass, entropy, key_logit_mean)
+
+    def write_values(
+        self,
+        step: int,
+        first_query_frame: int,
+        key_frames: np.ndarray,
+        key_mass: np.ndarray,
+        value_norm: np.ndarray,
+    ) -> None:
+        """The value side of one pass call: per key frame, the mean ||v|| of its tokens (the
+        copy of the frame the call saw) and the sum over its tokens of key_mass x ||v|| (sums in
+        float64): how much of the attention output's size the frame can account for (Kobayashi et
+        al.'s norm-based view of attention, ||p v|| = p ||v||). key_mass [heads, query frames,
+        keys] and value_norm [heads, keys] in the keys' order, whole frames of `key_frames`."""
+        t = self.frame_seq_length
+        heads, frames, _ = key_mass.shape
+        norms = np.asarray(value_norm, np.float32).reshape(heads, -1, t)
+        weighted = np.asarray(key_mass, np.float32).reshape(heads, frames, -1, t) * norms[:, None]
+        if self.value_frames is None:
+            shape = (self.num_steps, self.num_heads, self.num_frames, self.num_frames)
+            self.value_frames = {
+                name: np.full(shape, np.nan, np.float32) for name in VALUE_FRAME_VARIABLES
+            }
+        queries = slice(first_query_frame, first_query_frame + frames)
+        # Index through views, as write_pooled does.
+        self.value_frames["value_norm"][step][:, queries][:, :, key_frames] = norms.mean(
+            axis=-1, dtype=np.float64
+        )[:, None]
+        self.value_frames["mass_value_norm"][step][:, queries][:, :, key_frames] = weighted.sum(
+            axis=-1, dtype=np.float64
+        )
 
     def write_block(
         self,
@@ -537,6 +576,17 @@ class AttentionStoreWriter(_StoreWriter):
             attributes=VARIABLE_ATTRS["entropy"],
         )
         entropy[:] = self.entropy
+        for name, values in (self.value_frames or {}).items():
+            array = group.create_array(
+                name,
+                shape=values.shape,
+                dtype="float32",
+                fill_value=np.nan,
+                dimension_names=POOLED_DIMS,
+                compressors=checked_compressors(),
+                attributes=VARIABLE_ATTRS[name],
+            )
+            array[:] = values
 
 
 SLOT_DIMS = ("step", "head", "query_frame", "key_slot")

@@ -232,12 +232,14 @@ class VisibleKeys:
     """What the queries of one call see, for a capture: the absolute token of each key ([M], or
     [M, heads] where each head keeps its own), and where the keys came from: `cache` (None in a
     full forward, where every key is the call's own at its own position) answers
-    `CacheEngine.key_labels`; `bias` [M] was added to the logits."""
+    `CacheEngine.key_labels`; `bias` [M] was added to the logits; `values` [B, M, H, D] are the
+    keys' value vectors, in the order of the keys."""
 
     tokens: torch.Tensor
     query_start: int
     cache: CacheEngine | None = None
     bias: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     def labels(self, frame_seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(temporal RoPE position, kind code) of each key, shaped as `tokens`."""
@@ -295,7 +297,7 @@ class SelfAttention(_Attention):
             key_tokens = torch.arange(query_start, query_start + s, device=x.device)
             mask, bias = ctx.attn_mask, None
         if self.capture is not None:
-            visible = VisibleKeys(key_tokens, query_start, cache, bias)
+            visible = VisibleKeys(key_tokens, query_start, cache, bias, v_all)
             self.capture(self.layer_index, q, k_all, visible)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask

@@ -528,8 +528,9 @@ def plot_closed_loop_collapse(
     layer_colors = dict(zip(layers, ["black"] if len(layers) == 1 else shades, strict=True))
     names = run_names(runs)
     dashes = ["-", "--", ":", "-."]
-    ncols = min(len(keys), COLLAPSE_COLUMNS)
-    groups = math.ceil(len(keys) / ncols)
+    # As few rows as COLLAPSE_COLUMNS allows, filled evenly (5 rollouts: 3 + 2, not 4 + 1).
+    groups = math.ceil(len(keys) / COLLAPSE_COLUMNS)
+    ncols = math.ceil(len(keys) / groups)
     fig = Figure(figsize=(FULL_WIDTH_IN, 2.5 * groups + 0.8), layout="constrained")
     # one grid (subfigures lay out differently at each draw, by rounding): 3 rows per rollout row
     axes = fig.subplots(3 * groups, ncols, sharex=True, squeeze=False)

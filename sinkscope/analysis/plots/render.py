@@ -75,6 +75,9 @@ def _store_key(store: xr.Dataset) -> tuple[str, str, int]:
     return (str(store.attrs["checkpoint"]), str(store.attrs["prompt"]), int(store.attrs["layer"]))
 
 
+THRESHOLDS = ("sink_threshold", "recent_threshold")  # of the stats section, as figures read them
+
+
 def render_figures(
     frame_stores: Sequence[str | os.PathLike],
     outputs: Sequence[str | os.PathLike],
@@ -339,3 +342,34 @@ FAMILIES: dict[str, ModuleType] = {
 def builder_of(kind: figures.FigureKind) -> Callable[..., Figure]:
     """The function that draws `kind`: `kind.function` of its family module."""
     return getattr(FAMILIES[kind.family], kind.function)
+
+
+def render_configured(
+    frame_stores: Sequence[str | os.PathLike],
+    outputs: Sequence[str | os.PathLike],
+    *,
+    figures: dict,
+    stats_options: dict | None = None,
+    policies: dict | None = None,
+    **inputs,
+) -> list[Path]:
+    """`render_figures` with its options as the config's sections give them: `figures` (heads,
+    measure, frame_axis, step, annotate, titles, shared_scale), `stats_options` (the
+    thresholds the survey figures read) and `policies` (the budget the policy figures show);
+    `inputs`: render_figures' other arguments (the layer lists, stores and tables). The figure
+    jobs' one call."""
+    stats_options, policies = stats_options or {}, policies or {}
+    return render_figures(
+        frame_stores,
+        outputs,
+        heads=[tuple(head) for head in figures["heads"]],
+        measure=figures["measure"],
+        frame_axis=figures["frame_axis"],
+        step=figures["step"],
+        annotate=figures.get("annotate", ["max"]),
+        titles=figures.get("titles", True),
+        shared_scale=figures.get("shared_scale", True),
+        policy_budget=policies.get("budget"),
+        **{key: stats_options[key] for key in THRESHOLDS if key in stats_options},
+        **inputs,
+    )

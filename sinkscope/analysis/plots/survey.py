@@ -9,18 +9,17 @@ the `uniform_multiple` column) in every figure here: colours, markers, rates and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import matplotlib
 import numpy as np
 import pandas as pd
 import xarray as xr
 from matplotlib.axes import Axes
-from matplotlib.collections import QuadMesh
-from matplotlib.colors import Colormap, LogNorm, Normalize
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator, NullFormatter
+from matplotlib.ticker import MaxNLocator
 
 from sinkscope.analysis import stats
 
@@ -52,13 +51,20 @@ from .survey_data import (
     attention_by_layer,
     first_frame_image,
     last_block_visible_frames,
-    layer_head_values,
     runs_at_step,
     statistics_of,
     strongest_sinks,
     survey_layers,
     uniform_entropy,
+    value_profiles,
     visible_tokens,
+)
+from .survey_maps import (
+    add_threshold_colorbar,
+    clipped_to,
+    layer_head_maps,
+    multiple_scale,
+    step_panel_title,
 )
 
 FIRST_FRAME_LABEL = "First-frame probability mass"
@@ -67,7 +73,6 @@ TOKEN_MULTIPLE_LABEL = "Per key token (× uniform share)"
 ENTROPY_LABEL = "Entropy (nats)"
 HEAD_CLASS_MARKERS = {"sink": "o", "recent": "^"}  # spread: no marker
 HEAD_CLASS_COLORS = {"sink": "tab:red", "recent": "tab:blue", "spread": "0.6"}
-MULTIPLE_CMAP = "RdBu_r"  # below the uniform share blue, at it white, above it red
 ENTROPY_CMAP = "viridis"
 SPATIAL_COLUMNS = 4
 SINK_RATE_DODGE = 0.08  # layers between the markers of consecutive steps
@@ -79,71 +84,6 @@ def _survey_title(layers: dict[int, xr.Dataset], what: str, titles: bool = True)
     """'{checkpoint} · {prompt} · {what}', or `what` alone without `titles`."""
     first = next(iter(layers.values()))
     return f"{checkpoint_of(first)} · {prompt_of(first)} · {what}" if titles else capital(what)
-
-
-def _step_panel_title(ds: xr.Dataset, step: int) -> str:
-    return f"step {int(step)} · {step_title(ds, step)}"
-
-
-def _layer_head_maps(
-    layers: dict[int, xr.Dataset],
-    table: pd.DataFrame,
-    column: str,
-    legend_rows: int = 0,
-    scale: tuple[Colormap, Normalize] | None = None,
-    shown: Callable[[np.ndarray], np.ndarray] | None = None,
-) -> tuple[Figure, list[Axes], list[int], list[int], QuadMesh]:
-    """One layer x head map of `column` per captured step, on one colour scale (`scale`: colour
-    map and norm; default 0..1), the values passed through `shown` (e.g. clipped to the scale);
-    layer 0 on top, head 0 on the left, NaN grey. Returns the figure, its panels, their steps and
-    heads, and the last mesh (for the colorbar)."""
-    first = next(iter(layers.values()))
-    steps = [int(step) for step in first["step"].values]
-    heads = sorted({int(head) for ds in layers.values() for head in ds["head"].values})
-    layer_list = list(layers)
-    maps = []
-    for step in steps:
-        values = layer_head_values(table, column, step, layer_list, heads)
-        maps.append((_step_panel_title(first, step), values if shown is None else shown(values)))
-    cmap, norm = scale if scale is not None else (None, None)
-    fig, axes, mesh = layer_head_panels(maps, layer_list, heads, legend_rows, cmap=cmap, norm=norm)
-    return fig, axes, steps, heads, mesh
-
-
-def multiple_scale(visible_frames: int) -> tuple[Colormap, LogNorm]:
-    """The colour scale of a first-frame mass over its uniform share: log, from 1 / V to V (V =
-    `visible_frames`, at least 2: all mass on one of V frames is V times its share), white at 1
-    (uniform), red above (toward a sink), blue below; NaN grey. The same in every run of a
-    geometry, so that colours compare across runs and checkpoints."""
-    top = float(max(int(visible_frames), 2))
-    cmap = matplotlib.colormaps[MULTIPLE_CMAP].with_extremes(bad=UNSEEN_COLOR)
-    return cmap, LogNorm(vmin=1.0 / top, vmax=top)
-
-
-def clipped_to(norm: Normalize) -> Callable[[np.ndarray], np.ndarray]:
-    """Values clipped into `norm`'s range (NaN kept): a multiple below 1 / V (0 included, which
-    a log scale cannot draw) shows as 1 / V."""
-
-    def clip(values: np.ndarray) -> np.ndarray:
-        values = np.asarray(values, dtype=float)
-        return np.where(np.isfinite(values), np.clip(values, norm.vmin, norm.vmax), np.nan)
-
-    return clip
-
-
-def add_threshold_colorbar(fig: Figure, mesh: QuadMesh, axes, label: str, threshold: float):
-    """The colour bar of a map of multiples of the uniform share (`multiple_scale`): ticks at
-    its ends, the decades between, the uniform share (1, dotted) and the sink threshold (a black
-    line, labelled)."""
-    add_colorbar(fig, mesh, axes, label)
-    colorbar = mesh.colorbar
-    low, high = mesh.norm.vmin, mesh.norm.vmax
-    decades = [10.0**k for k in range(math.ceil(math.log10(low)), math.floor(math.log10(high)) + 1)]
-    ticks = sorted({low, high, *decades, *([threshold] if low <= threshold <= high else [])})
-    colorbar.set_ticks(ticks, labels=[f"{tick:.2g}" for tick in ticks])
-    colorbar.ax.yaxis.set_minor_formatter(NullFormatter())
-    colorbar.ax.axhline(1.0, color="0.3", linewidth=0.8, linestyle=":")
-    colorbar.ax.axhline(threshold, color="black", linewidth=1.2)
 
 
 @styled
@@ -158,7 +98,7 @@ def plot_survey_first_frame(
     `statistics_of`."""
     layers = survey_layers(datasets)
     table = statistics_of(layers, statistics)
-    fig, axes, _, _, mesh = _layer_head_maps(layers, table, "first")
+    fig, axes, _, _, mesh = layer_head_maps(layers, table, "first")
     what = "last block's mass on the first key frame, every layer"
     fig.suptitle(_survey_title(layers, what, titles))
     add_colorbar(fig, mesh, axes, FIRST_FRAME_LABEL)
@@ -182,7 +122,7 @@ def plot_survey_head_class(
     layers = survey_layers(datasets)
     table = statistics_of(layers, statistics, sink_threshold, recent_threshold)
     cmap, norm = multiple_scale(last_block_visible_frames(list(layers.values())))
-    fig, axes, steps, heads, mesh = _layer_head_maps(
+    fig, axes, steps, heads, mesh = layer_head_maps(
         layers, table, "uniform_multiple", 1, (cmap, norm), clipped_to(norm)
     )
     layer_list = list(layers)
@@ -386,7 +326,7 @@ def plot_survey_spatial(
         )
     strongest, sinks = strongest_sinks(table, step, top, sink_threshold)
     rule = stats.sink_definition(sink_threshold)
-    when = f" · {_step_panel_title(first, step)}" if titles else ""
+    when = f" · {step_panel_title(first, step)}" if titles else ""
     if strongest.empty:
         fig = Figure(figsize=(FULL_WIDTH_IN, 1.3), layout="constrained")
         fig.suptitle(_survey_title(layers, f"where sink heads attend in frame 0{when}", titles))
@@ -436,7 +376,7 @@ def plot_survey_spatial(
         which = f"the {count} strongest of {sinks} sink heads attend"
     else:
         which = f"all {count} sink heads attend" if count > 1 else "the one sink head attends"
-    run = _survey_title(layers, _step_panel_title(first, step), True) if titles else ""
+    run = _survey_title(layers, step_panel_title(first, step), True) if titles else ""
     fig.suptitle("\n".join(filter(None, [run, capital(f"where {which} in frame 0")])))
     fig.supxlabel(
         f"Latent frame 0: {height} x {width} tokens (one per 2x2 patch), as in the video\n"
@@ -468,7 +408,7 @@ def plot_survey_entropy(
     ceiling = max(uniform, largest) if np.isfinite(uniform) else largest
     cmap = matplotlib.colormaps[ENTROPY_CMAP].with_extremes(bad=UNSEEN_COLOR)
     scale = (cmap, Normalize(vmin=0.0, vmax=ceiling))
-    fig, axes, _, _, mesh = _layer_head_maps(layers, table, "entropy", 0, scale)
+    fig, axes, _, _, mesh = layer_head_maps(layers, table, "entropy", 0, scale)
     what = "entropy of the last block's attention, every layer"
     fig.suptitle(_survey_title(layers, what, titles))
     add_colorbar(fig, mesh, axes, ENTROPY_LABEL)
@@ -561,7 +501,7 @@ def plot_survey_sink_by_block(
     fig.legend(
         handles=handles, loc="outside lower center", ncols=3, title="Head class (last block)"
     )
-    when = f" · {_step_panel_title(first, step)}" if titles else ""
+    when = f" · {step_panel_title(first, step)}" if titles else ""
     fig.suptitle(
         _survey_title(
             layers,
@@ -650,4 +590,73 @@ def plot_survey_sink_checkpoints(
         f"The same heads across checkpoints: first-frame mass over its uniform share{when}"
     )
     add_threshold_colorbar(fig, mesh, axes, MULTIPLE_LABEL, sink_threshold)
+    return fig
+
+
+VALUE_SHOWN_HEADS = 2  # without figure heads among the surveyed layers: the strongest sinks
+
+
+@styled
+def plot_survey_value_norms(
+    datasets: Sequence[xr.Dataset],
+    *,
+    heads: Sequence[tuple[int, int]] = (),
+    step: int = 0,
+    sink_threshold: float = stats.SINK_THRESHOLD,
+    titles: bool = True,
+    statistics: pd.DataFrame | None = None,
+) -> Figure:
+    """The value side of a head's attention: per key frame, the share of the last block's
+    attention mass it gets (grey) beside its share of mass x ||v|| (the mass weighted by the
+    norm of each key token's value vector, summed over the frame: what the frame can add to the
+    output, Kobayashi et al. 2020), and the mean ||v|| of its tokens (line, right axis), at
+    `step`. One panel per figure head in a surveyed layer (`heads`), else per strongest sink
+    (`VALUE_SHOWN_HEADS`). A sink whose keys carry small values gets less of the second share
+    than of the first. `statistics`: see `statistics_of`."""
+    layers = survey_layers(datasets)
+    chosen = [(int(layer), int(head)) for layer, head in heads if int(layer) in layers]
+    if not chosen:
+        table = statistics_of(layers, statistics, sink_threshold)
+        sinks, _ = strongest_sinks(table, step, VALUE_SHOWN_HEADS, sink_threshold)
+        chosen = [
+            (int(layer), int(head))
+            for layer, head in zip(sinks["layer"], sinks["head"], strict=True)
+        ]
+    if not chosen:
+        raise ValueError("no head to show: no figure head is surveyed and no head is a sink")
+    profiles = value_profiles(layers, chosen, step)
+    fig = Figure(
+        figsize=(min(COLUMN_WIDTH_IN * len(chosen), FULL_WIDTH_IN), 2.6), layout="constrained"
+    )
+    axes = panel_grid(fig, len(chosen), len(chosen))
+    norm_color = "tab:blue"
+    for ax, profile in zip(axes, profiles, strict=True):
+        mass, weighted = profile["prob_mass"], profile["mass_value_norm"]
+        mass_share = mass / np.nansum(mass)
+        value_share = weighted / np.nansum(weighted)
+        frames = np.arange(len(mass))
+        ax.bar(frames - 0.2, mass_share, 0.4, color="0.65", label="share of attention mass")
+        ax.bar(frames + 0.2, value_share, 0.4, color="tab:red", label="share of mass x ||v||")
+        ax.set_ylim(0, 1.08 * max(np.nanmax(mass_share), np.nanmax(value_share)))
+        ax.set_xlabel("Key frame (latent)")
+        ax.set_ylabel("Share over the key frames")
+        norms = ax.twinx()
+        norms.plot(frames, profile["value_norm"], color=norm_color, marker=".", linewidth=0.8)
+        norms.set_ylim(0, 1.15 * np.nanmax(profile["value_norm"]))
+        norms.set_ylabel("Mean ||v|| of the frame's keys", color=norm_color)
+        norms.tick_params(axis="y", colors=norm_color)
+        top = int(np.nanargmax(mass_share))
+        ax.set_title(
+            f"{head_label(profile['layer'], profile['head'])}: frame {top} has "
+            f"{mass_share[top]:.0%} of the mass, {value_share[top]:.0%} of mass x ||v||"
+        )
+    handles = [
+        *axes[0].get_legend_handles_labels()[0],
+        Line2D([], [], color=norm_color, marker=".", linewidth=0.8),
+    ]
+    labels = ["share of attention mass", "share of mass x ||v||", "mean ||v|| (right axis)"]
+    fig.legend(handles, labels, loc="outside lower center", ncols=3)
+    ds = next(iter(layers.values()))
+    what = f"the value side of the last block's attention · {step_title(ds, step)}"
+    fig.suptitle(_survey_title(layers, what, titles))
     return fig

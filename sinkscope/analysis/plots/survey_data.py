@@ -13,6 +13,7 @@ import pandas as pd
 import xarray as xr
 
 from sinkscope.analysis import stats
+from sinkscope.storage import VALUE_FRAME_VARIABLES
 
 from .common import by_layer, checkpoint_of, describe, prompt_of, select_step
 
@@ -233,3 +234,31 @@ def uniform_entropy(datasets: Sequence[xr.Dataset]) -> float:
     if None in tokens or len(tokens) != 1:
         return math.nan
     return math.log(last_block_visible_frames(datasets) * int(tokens.pop()))
+
+
+def value_profiles(
+    layers: Mapping[int, xr.Dataset], heads: Sequence[tuple[int, int]], step: int
+) -> list[dict[str, np.ndarray]]:
+    """Per (layer, head) of `heads`, the value side of its last block's attention at `step`, per
+    key frame, each averaged over the block's query frames as the `last_block` statistics
+    average (`stats.query_profile`): `prob_mass`, `mass_value_norm` (mass x ||v|| summed over the
+    frame's tokens) and `value_norm` (the mean ||v|| of its tokens). A frame dataset without the
+    value side (a token layer, or a survey from before it was captured) is refused, named."""
+    profiles = []
+    for layer, head in heads:
+        ds = layers[layer]
+        select_step(ds, step)  # checks the step
+        missing = [name for name in VALUE_FRAME_VARIABLES if name not in ds]
+        if missing:
+            raise ValueError(
+                f"{describe(ds)} has no {' or '.join(missing)}: surveys capture the value norms "
+                "since sinkscope 2026-11-28; rerun the survey (snakemake --forcerun survey) to "
+                "draw the value side"
+            )
+        rows = stats.last_block_rows(ds)
+        profile = {"layer": layer, "head": head}
+        for name in ("prob_mass", *VALUE_FRAME_VARIABLES):
+            values = ds[name].sel(step=step, head=head).transpose("query_frame", "key_frame")
+            profile[name] = stats.query_profile(values.values, rows)
+        profiles.append(profile)
+    return profiles
