@@ -49,13 +49,13 @@ ATTRIBUTES_CHECKSUM = "attributes_crc32"
 # with `decoded_attrs`.
 JSON_ATTRIBUTES = "json_attributes"
 _INT32 = (-(2**31), 2**31 - 1)
+# The value side of an attention store's keys, per (step, head, query frame, key frame): the
+# survey writes them when the capture sees the values; reduced to the frame dataset as they are.
+VALUE_FRAME_VARIABLES = ("value_norm", "mass_value_norm")
 # long_name and units of every variable and coordinate of the stores (Contracts 1, 2 and 4),
 # written beside each array (xarray shows them as the variable's attrs; docs/DATA.md lists them).
 # Probabilities are dimensionless ("1"), entropies in nats, logits q.k/sqrt(head_dim) in "logit"
 # (a dimensionless pre-softmax score), indices and labels "1".
-# The value side of an attention store's keys, per (step, head, query frame, key frame): the
-# survey writes them when the capture sees the values; reduced to the frame dataset as they are.
-VALUE_FRAME_VARIABLES = ("value_norm", "mass_value_norm")
 VARIABLE_ATTRS = {
     "logits": {
         "long_name": "pre-softmax attention logit q.k/sqrt(head_dim)",

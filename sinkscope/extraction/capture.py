@@ -193,15 +193,23 @@ class LogitCapture:
         t = self.frame_seq_length
         if q.shape[0] != 1:
             raise ValueError("logit capture supports batch size 1")
+        # ||v|| of each key and head [heads, M], once for every part of the call: accumulated
+        # in float32 without a float32 copy of every value.
+        value_norm = None
+        if writer.store_kind == "attention" and visible.values is not None:
+            value_norm = torch.linalg.vector_norm(visible.values[0], dim=-1, dtype=torch.float32).T
         for part, step in parts:
             rows = slice((part.start - call.start) * t, (part.end - call.start) * t)
             if writer.store_kind == "slots":
                 self._slots(writer, step, part.start, q[0, rows], k[0], visible, call)
             else:
-                self._frames(writer, step, part.start, q[0, rows], k[0], visible, call)
+                self._frames(writer, step, part.start, q[0, rows], k[0], visible, call, value_norm)
 
-    def _frames(self, writer, step, first_frame, q, k, visible: VisibleKeys, call) -> None:
-        """One block's queries into a store over every token of the video."""
+    def _frames(
+        self, writer, step, first_frame, q, k, visible: VisibleKeys, call, value_norm=None
+    ) -> None:
+        """One block's queries into a store over every token of the video; `value_norm`: each
+        key's ||v|| per head, for an attention store."""
         t = self.frame_seq_length
         key_tokens = visible.tokens
         if visible.bias is not None or key_tokens.dim() != 1:
@@ -218,10 +226,8 @@ class LogitCapture:
             # survey's kernel launches, all on the thread that feeds the GPU).
             key_mass, entropy, key_logit_mean = self._reductions(q, k)
             tensors = [slot_frames, anchor, key_mass, entropy, key_logit_mean]
-            if visible.values is not None:  # ||v|| of each key and head [heads, M], float32
-                # accumulated in float32 without a float32 copy of every value
-                norms = torch.linalg.vector_norm(visible.values[0], dim=-1, dtype=torch.float32)
-                tensors.append(norms.T)
+            if value_norm is not None:
+                tensors.append(value_norm)
             writer.write_call(step, first_frame, call, *for_writer(writer, *tensors))
             return
         order = torch.argsort(slot_frames)
