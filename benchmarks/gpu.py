@@ -156,8 +156,8 @@ def device_only_capture(writers, passes, t, head_dim):
     from sinkscope.extraction.capture import LogitCapture
 
     class DeviceOnlyCapture(LogitCapture):
-        def _frames(self, writer, step, first_frame, q, k, visible, call) -> None:
-            self._reductions(q, k)
+        def _frames(self, writer, step, first_frame, q, k, visible, call, value_norm=None):
+            self._reductions(q, k)  # the value norms: computed per call, as in the survey
 
     return DeviceOnlyCapture(writers, passes, t, head_dim)
 
