@@ -38,9 +38,8 @@ include: "rules/videos.smk"
 # On a cluster these run in the main Snakemake process: seconds each, not worth a queue slot.
 localrules:
     all,
-    make_demo_checkpoint,
+    make_demo_models,
     make_demo_text_encoder,
-    make_demo_vae,
     summary,
     figures,
     closed_loop_summary,

@@ -222,9 +222,10 @@ def timed_rollout(
     Attention stores are written as `extraction.job.plan_stores` writes them: in a
     `StoreProcess`; `ready_first`: the timer starts once its child has started and opened them,
     as in the survey job, which starts it before its weights load (False: before it starts)."""
+    from sinkscope.extraction.attention_store import AttentionStoreWriter
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
-    from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
+    from sinkscope.extraction.store import TokenStoreWriter
     from sinkscope.extraction.store_process import attention_store_process
     from sinkscope.passes import resolve_passes
 

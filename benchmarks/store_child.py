@@ -1,25 +1,18 @@
-"""What the store process's child does on its own thread for each survey call, at the real
-geometry, on the CPU: before, and as `store_process.serve` and `AttentionStoreWriter.write_call`
-do it now.
+"""What the store process's child does for each survey call, at the real geometry, on one CPU
+core: `AttentionStoreWriter.write_call` (the key versions, pooled logits and masses derived from
+the call's rows, each visible key frame's chunk packed) and the writer thread's `_write` (each
+shard's chunks checksummed and written: `extraction/shards.py`), run one after the other on one
+thread into a temporary folder, so that CPU seconds are one core's.
 
 A survey of Wan2.1-T2V-1.3B (30 layers, 12 heads, T = 1560, 21 frames in 7 blocks of 3, 5 passes)
-hands the child 1,050 calls of key_mass and key_logit_mean [12, 3, keys so far] (5.7 GB in all);
-the child spreads each over all 32,760 key tokens (NaN where not visible) into the two chunks the
-writer thread compresses. On an H200 the child lagged the model (benchmarks/README.md): this is
-its thread's part of the work, without compression or disk (the writer threads' part).
-
-- before: each array copied out of the ring (`ArrayRef.read`), then each chunk filled with NaN
-  (`np.full`) and the visible keys copied over it;
-- now: the arrays read in place (`ArrayRef.view`, the writer declares `copies_arguments`) and
-  each chunk's bytes written once (`write_block`: the runs of visible keys, NaN between and
-  after) into a chunk the writer thread has handed back (a new one page-faults each call); and,
-  since the survey's calls hand the child the keys as the cache holds them (`write_call`), the
-  key versions and the pooled logits (the mean of key_logit_mean over each key frame's tokens)
-  derived here, which the model's thread computed on the GPU before.
+hands the child 1,050 calls of key_mass and key_logit_mean [12, 3, keys so far] (5.7 GB of
+float32 in all). Printed per precision (`capture.survey_precision`): the bytes written, the
+seconds, and MB/s of store written per CPU second, against the disk of the H100 machine in
+issue 44 (1.0-1.1 GB/s with direct I/O); and zarr's own pipeline writing the same float16
+shards (the array assigned the block's rows), as the writer did before.
 
 Run from the repository root: `python benchmarks/store_child.py [--layers 30] [--repeat 3]`
-(about a minute on 2 CPU cores). It prints the seconds of each way and their ratio, best of
-`--repeat`.
+(a few minutes on 2 CPU cores; `--layers 3` for a quick look). The best of `--repeat`.
 """
 
 from __future__ import annotations
@@ -27,10 +20,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+import torch
 
-from sinkscope.extraction.store import AttentionStoreWriter
+from sinkscope.extraction.attention_store import KEY_MASS_SCALE, AttentionStoreWriter
 from sinkscope.extraction.store_process import ArrayRef
 from sinkscope.schedules import BlockPart, ModelCall
 
@@ -45,21 +40,66 @@ def calls(layers: int):
                 yield first, np.arange(first + BLOCK)
 
 
-def before(ring: memoryview, refs, first: int, key_frames: np.ndarray) -> None:
-    """The child and `write_block` as they were at 5868048."""
-    mass, logits = (ref.read(ring) for ref in refs)
-    for values in (mass, logits):
-        rows = np.full((1, HEADS, BLOCK, FRAMES * T), np.nan, np.float32)
-        rows[0, :, :, : len(key_frames) * T] = values  # one run: frames 0 .. last
-        del rows
+DISK_MB_PER_S = 1000  # the H100 machine's disk in issue 44 (dd with direct I/O)
 
 
-def now(writer: AttentionStoreWriter, ring: memoryview, refs, first, key_frames) -> None:
+def call_rows(ring, refs, first, key_frames):
     mass, logits = (ref.view(ring) for ref in refs)
     entropy = np.zeros((HEADS, BLOCK), np.float32)
     call = ModelCall("denoise", (BlockPart(first // BLOCK, first, BLOCK, 0, 0),))
-    anchor = np.zeros(len(key_frames), bool)
-    writer.write_call(0, first, call, key_frames, anchor, mass, entropy, logits)
+    return call, np.zeros(len(key_frames), bool), mass, entropy, logits
+
+
+def writer_at(folder: str, precision: str, layer: int) -> AttentionStoreWriter:
+    writer = AttentionStoreWriter(
+        f"{folder}/layer{layer}.zarr",
+        num_heads=HEADS,
+        num_frames=FRAMES,
+        frame_seq_length=T,
+        frames_per_block=BLOCK,
+        timesteps=[float(p) for p in range(PASSES)],
+        pass_kinds=["denoise"] * PASSES,
+        attrs={},
+        precision=precision,
+    )
+    # On this thread: the writer thread's work right after the child's, one core's seconds.
+    writer._put = lambda item: writer._write(*item)
+    return writer
+
+
+def through_zarr(writer: AttentionStoreWriter, step, first, key_frames, mass, logits) -> None:
+    """The block's rows spread over every key token (NaN where not visible) and assigned to the
+    sharded arrays, zarr's pipeline choosing the chunks to write: the writer before
+    extraction/shards.py."""
+    scaled = mass * np.float32(KEY_MASS_SCALE)
+    for array, values in ((writer.key_mass, scaled), (writer.key_logit_mean, logits.sum(axis=0))):
+        rows = np.full((1, *values.shape[:-1], FRAMES * T), np.nan, array.dtype)
+        rows[0, ..., : len(key_frames) * T] = values
+        array[step : step + 1, ..., first : first + BLOCK, :] = rows
+
+
+def run(way: str, ring, size: int, layers: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, bytes on disk) of `layers` layers' calls written `way`."""
+    with tempfile.TemporaryDirectory() as folder:
+        writers = [
+            writer_at(folder, "float16" if way == "zarr" else way, layer) for layer in range(layers)
+        ]
+        cpu, started = time.process_time(), time.perf_counter()
+        for index, (first, key_frames) in enumerate(calls(layers)):
+            writer = writers[index // (PASSES * FRAMES // BLOCK)]
+            step = index % PASSES
+            shape = (HEADS, BLOCK, len(key_frames) * T)
+            refs = [ArrayRef(i * size, shape, "float32") for i in (0, 1)]
+            call, anchor, mass, entropy, logits = call_rows(ring, refs, first, key_frames)
+            if way == "zarr":
+                through_zarr(writer, step, first, key_frames, mass, logits)
+            else:
+                writer.write_call(step, first, call, key_frames, anchor, mass, entropy, logits)
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+        written = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+        for writer in writers:
+            writer.abort()
+    return wall, cpu, written
 
 
 def main() -> None:
@@ -67,43 +107,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as the store process's child: one core's seconds
     size = HEADS * BLOCK * FRAMES * T * 4
     buffer = np.random.default_rng(0).random(2 * size // 4, dtype=np.float32)
+    buffer /= FRAMES * T  # masses of the size a softmax over the visible keys gives
     ring = memoryview(buffer.view(np.uint8))
-    with tempfile.TemporaryDirectory() as folder:
-        writer = AttentionStoreWriter(
-            f"{folder}/s.zarr",
-            num_heads=HEADS,
-            num_frames=FRAMES,
-            frame_seq_length=T,
-            frames_per_block=BLOCK,
-            timesteps=[1.0],
-            pass_kinds=["denoise"],
-            attrs={},
-        )
-        # The child's thread only: no compression, no disk; the writer thread hands the chunks
-        # back as `_write` does once zarr has them.
-        writer._put = lambda item: writer._spare_rows.extend(item[2:])
-        ways = {"before": lambda *a: before(ring, *a), "now": lambda *a: now(writer, ring, *a)}
-        best = dict.fromkeys(ways, float("inf"))
-        nbytes = 0
-        for _ in range(args.repeat):
-            for name, way in ways.items():
-                started, nbytes = time.perf_counter(), 0
-                for first, key_frames in calls(args.layers):
-                    shape = (HEADS, BLOCK, len(key_frames) * T)
-                    refs = [ArrayRef(i * size, shape, "float32") for i in (0, 1)]
-                    way(refs, first, key_frames)
-                    nbytes += 2 * np.prod(shape) * 4
-                best[name] = min(best[name], time.perf_counter() - started)
-        writer.abort()
+    best: dict[str, tuple[float, float, int]] = {}
+    for _ in range(args.repeat):
+        for way in ("float16", "float32", "zarr"):
+            result = run(way, ring, size, args.layers)
+            if way not in best or result[1] < best[way][1]:
+                best[way] = result
     print(
-        f"{args.layers} layers x {FRAMES // BLOCK} blocks x {PASSES} passes: "
-        f"{nbytes / 1e9:.2f} GB of key_mass and key_logit_mean handed to the child"
+        f"{args.layers} layers x {FRAMES // BLOCK} blocks x {PASSES} passes at T={T}, {HEADS} "
+        f"heads; the child's and the writer's work on one thread, best of {args.repeat}"
     )
-    for name, seconds in best.items():
-        print(f"{name:>7}: {seconds:6.2f} s  ({nbytes / 1e9 / seconds:.1f} GB/s)")
-    print(f"before / now: {best['before'] / best['now']:.2f}")
+    for way, (wall, cpu, written) in best.items():
+        rate = written / 1e6 / cpu
+        print(
+            f"{way:>8}: {written / 1e9:5.2f} GB in {wall:6.2f} s ({cpu:6.2f} s CPU): "
+            f"{rate:6.0f} MB/s per core, {rate / DISK_MB_PER_S:4.2f} x the disk's "
+            f"{DISK_MB_PER_S} MB/s"
+        )
+    ratio = (best["zarr"][1] / best["zarr"][2]) / (best["float16"][1] / best["float16"][2])
+    print(f"CPU per byte, zarr's pipeline / extraction/shards.py (float16): {ratio:.1f} x")
 
 
 if __name__ == "__main__":

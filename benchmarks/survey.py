@@ -68,6 +68,11 @@ TEXT_DIM, TEXT_LEN = 64, 512
 TIME_RATIO_TARGET = 2.0  # survey run / rollout alone, at most
 BYTES_SHARE_TARGET = 0.02  # attention store on disk / token store (float16 logits), at most
 PEAK_RSS_TARGET = 2e9  # bytes, less than
+DISK_PER_PROMPT_TARGET = 2.5e9  # bytes of every layer's store of one prompt on disk, at most
+REAL_HEADS = 12  # Wan2.1-T2V-1.3B's
+# An attention store's arrays of (step, head, query frame[, key frame]): what attention_store_bytes
+# counts beside the per-key arrays.
+SMALL_ARRAYS = ("entropy", "logit_mean_pooled", "prob_mass_pooled", "value_norm", "mass_value_norm")
 KEY_MASS_SUM_TOLERANCE = 1e-4  # |sum over key tokens - 1|, float32 reductions
 
 
@@ -164,9 +169,9 @@ def run_rollout(args) -> dict:
 def run_survey(args) -> dict:
     import torch
 
+    from sinkscope.extraction.attention_store import AttentionStoreWriter
     from sinkscope.extraction.capture import LogitCapture
     from sinkscope.extraction.sampling import SELF_FORCING, rollout
-    from sinkscope.extraction.store import AttentionStoreWriter
 
     class TimedCapture(LogitCapture):
         """LogitCapture with a timer around each call on the model thread; counts the calls of
@@ -179,7 +184,8 @@ def run_survey(args) -> dict:
             started = time.perf_counter()
             super().__call__(layer, q, k, visible)
             self.seconds += time.perf_counter() - started
-            self.calls += self.step is not None
+            # a call of a surveyed layer at a surveyed pass (Self-Forcing: one block a pass)
+            self.calls += layer in self.writers and self._pass[1] in self.step_of_pass
 
     class TimedWriter(AttentionStoreWriter):
         """AttentionStoreWriter with a timer around write_block (spreading the block's rows onto
@@ -206,6 +212,7 @@ def run_survey(args) -> dict:
         "frame_seq_length": t,
         "timesteps": [every_timestep[p] for p in passes],
         "pass_kinds": [every_kind[p] for p in passes],
+        "precision": args.precision,
     }
     attrs = {
         "benchmark": "benchmarks/survey.py",
@@ -283,7 +290,12 @@ def check_stores(args, stores: Path, passes: list[int], t: int) -> dict:
     visible_tokens = np.repeat(visible, t, axis=1)  # [query frame, key token]
     log_keys = np.log(visible.sum(axis=1) * t)  # the largest entropy of each query frame
     logical = attention_store_bytes(
-        num_passes=len(passes), num_heads=args.heads, num_frames=frames, frame_seq_length=t
+        num_passes=len(passes),
+        num_heads=args.heads,
+        num_frames=frames,
+        frame_seq_length=t,
+        visible_tiles=int(visible.sum()),
+        precision=args.precision,
     )
     worst_sum = worst_entropy = 0.0
     rows = 0
@@ -294,17 +306,25 @@ def check_stores(args, stores: Path, passes: list[int], t: int) -> dict:
         sizes.append(apparent)
         allocated.append(on_disk)
         group = zarr.open_group(str(path), mode="r")
-        key_mass = group["key_mass"][...]
-        key_logit_mean = group["key_logit_mean"][...]
+        stored_mass = group["key_mass"][...]
+        # float16: stored scaled (CF scale_factor)
+        scale = group["key_mass"].attrs.get("scale_factor", 1.0)
+        key_mass = stored_mass.astype(np.float32) * np.float32(scale)
+        head_sum = args.precision == "float16"
+        logits = group["key_logit_head_sum" if head_sum else "key_logit_mean"][...]
+        small = [group[name][...] for name in SMALL_ARRAYS if name in group]
         entropy = group["entropy"][...]
-        pooled = group["logit_mean_pooled"][...]
         shape = (len(passes), args.heads, frames, frames * t)
-        assert key_mass.shape == key_logit_mean.shape == shape, (path, key_mass.shape, shape)
-        stored = key_mass.nbytes + key_logit_mean.nbytes + entropy.nbytes + pooled.nbytes
-        assert stored == logical, path
+        assert key_mass.shape == shape, (path, key_mass.shape, shape)
         finite = np.isfinite(key_mass)
+        # the visible keys' bytes, as stored: invisible key frames have no chunk
+        visible_logits = np.isfinite(logits)
+        stored = finite.sum() * stored_mass.itemsize + visible_logits.sum() * logits.itemsize
+        stored += sum(array.nbytes for array in small)
+        assert stored == logical, (path, stored, logical)
         assert (finite == visible_tokens[None, None]).all(), f"{path}: NaN off the invisible keys"
-        assert (np.isfinite(key_logit_mean) == finite).all(), f"{path}: key_logit_mean NaN"
+        per_head = visible_logits if not head_sum else visible_logits[:, None]
+        assert (per_head == finite).all(), f"{path}: logits NaN elsewhere than key_mass"
         sums = np.nansum(key_mass, axis=-1, dtype=np.float64)
         worst_sum = max(worst_sum, float(np.abs(sums - 1).max()))
         assert worst_sum < KEY_MASS_SUM_TOLERANCE, f"{path}: key_mass sums off 1 by {worst_sum}"
@@ -347,6 +367,8 @@ def run_mode(mode: str, args, workdir: Path, **paths: Path) -> dict:
         str(args.frames),
         "--passes",
         args.passes,
+        "--precision",
+        args.precision,
         "--seed",
         str(args.seed),
     ]
@@ -370,7 +392,7 @@ def summary_line(label: str, value: str, target: str, ok: bool) -> str:
 
 
 def report(args, rollout: dict, survey: dict, check: dict) -> None:
-    from sinkscope.frames import token_store_bytes, visible_frames
+    from sinkscope.frames import attention_store_disk_bytes, token_store_bytes, visible_frames
 
     cfg = model_config(args.heads, args.head_dim, args.layers)
     geo = geometry(args.frames)
@@ -387,6 +409,20 @@ def report(args, rollout: dict, survey: dict, check: dict) -> None:
     )
     sizes = np.asarray(check["sizes"], dtype=np.float64)
     per_layer = float(sizes.mean())
+    # Per prompt of the real model (30 layers x 12 heads): this run's bytes per layer times 30,
+    # scaled by the plan's ratio of 12 heads to this run's heads where it had fewer.
+    real = {"num_passes": len(passes), "num_frames": geo.num_frames, "frame_seq_length": t}
+    plan = {
+        heads: attention_store_disk_bytes(
+            **real,
+            num_heads=heads,
+            frames_per_block=geo.frames_per_block,
+            visible_tiles=tiles,
+            precision=args.precision,
+        )
+        for heads in (args.heads, REAL_HEADS)
+    }
+    per_prompt = per_layer * NUM_LAYERS * plan[REAL_HEADS] / plan[args.heads]
     logical = check["logical"]
     share = per_layer / token_bytes
     time_ratio = survey["seconds"] / rollout["seconds"]
@@ -430,8 +466,16 @@ def report(args, rollout: dict, survey: dict, check: dict) -> None:
         f"   attention store on disk      {per_layer / 1e6:8.2f} MB  (sum of file sizes, mean over "
         f"{len(sizes)} layers, {sizes.min() / 1e6:.2f}-{sizes.max() / 1e6:.2f} MB; allocated "
         f"{np.mean(check['allocated']) / 1e6:.2f} MB)",
-        f"   attention store, logical     {logical / 1e6:8.2f} MB  (attention_store_bytes: float32 "
-        "key_mass, key_logit_mean, entropy, pooled logits)",
+        f"   attention store, logical     {logical / 1e6:8.2f} MB  (attention_store_bytes: "
+        f"{args.precision} key_mass and the mean logits of the visible keys, entropy, frame-pair "
+        "arrays)",
+        f"   per prompt, 30 layers x {REAL_HEADS} heads {per_prompt / 1e9:6.2f} GB  (on disk, "
+        + (
+            "measured x 30)"
+            if args.heads == REAL_HEADS
+            else f"measured x 30 x {plan[REAL_HEADS] / plan[args.heads]:.2f}, the plan's ratio "
+            f"of {REAL_HEADS} heads to {args.heads})"
+        ),
         f"   token store, logical         {token_bytes / 1e6:8.0f} MB  (token_store_bytes: float16 "
         f"logits, {len(passes) * args.heads * tiles} tiles)",
         f"   share on disk / token store   {100 * share:8.3f} %",
@@ -455,6 +499,12 @@ def report(args, rollout: dict, survey: dict, check: dict) -> None:
             f"{100 * share:.3f} %",
             f"<= {100 * BYTES_SHARE_TARGET:.2f} %",
             share <= BYTES_SHARE_TARGET,
+        ),
+        summary_line(
+            "disk per prompt (30 x 12 heads)",
+            f"{per_prompt / 1e9:.2f} GB",
+            f"<= {DISK_PER_PROMPT_TARGET / 1e9:.1f} GB",
+            per_prompt <= DISK_PER_PROMPT_TARGET,
         ),
         summary_line(
             "peak RSS of the survey run",
@@ -490,6 +540,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--passes", default="all", help="capture.passes: all (default), cache, last or an index"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["float16", "float32"],
+        default="float16",
+        help="capture.survey_precision (default float16)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -113,8 +113,8 @@ rule closed_loop_summary:
         ],
     log:
         "results/logs/closed_loop/summary.log",
-    # The closed loop's chain first: the video summary waits for this table.
-    priority: 2
+    # Before the other summaries: the video summary waits for this table.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     params:

@@ -11,6 +11,8 @@ rule extract:
         token_store(directory("results/logits/{checkpoint}/{prompt}/layer{layer}.zarr")),
     log:
         "results/logs/extract/{checkpoint}/{prompt}/layer{layer}.log",
+    # The extraction jobs first, the summaries and figures after them (side by side at the end).
+    priority: 2
     conda:
         "../envs/extract.yaml"
     threads: EXTRACT_THREADS
@@ -46,8 +48,8 @@ if SURVEY_LAYERS:
             ),
         log:
             "results/logs/survey/{checkpoint}/{prompt}.log",
-        # On the GPU after the closed loop: every figure and statistic of a run waits for it.
-        priority: 1
+        # Beside the closed loop: every figure and statistic of a run waits for it.
+        priority: 2
         conda:
             "../envs/extract.yaml"
         threads: EXTRACT_THREADS

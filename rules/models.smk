@@ -1,23 +1,30 @@
-# The tiny random-init models of the embedded default, in the formats real models come in.
+# The tiny random-init models of the embedded default, in the formats real models come in: the
+# DiTs and the VAE in one job (each takes a fraction of its start-up), the text encoder in its
+# own (the prompts wait for it alone).
 
 
-rule make_demo_checkpoint:
+rule make_demo_models:
     output:
-        config="results/demo/{demo}/config.json",
-        weights="results/demo/{demo}/diffusion_pytorch_model.safetensors",
+        [
+            f"results/demo/{demo}/{file}"
+            for demo in DEMO_CHECKPOINTS
+            for file in ("config.json", "diffusion_pytorch_model.safetensors")
+        ],
+        # the VAE of every demo checkpoint
+        vae_config=f"{DEMO_VAE_DIR}/config.json",
+        vae_weights=f"{DEMO_VAE_DIR}/diffusion_pytorch_model.safetensors",
     log:
-        "results/logs/make_demo_checkpoint/{demo}.log",
-    wildcard_constraints:
-        demo=one_of(DEMO_CHECKPOINTS),
+        "results/logs/make_demo_models.log",
     # First, as the prompts: what waits for it waits from the start.
     priority: 3
     conda:
         "../envs/extract.yaml"
     params:
-        seed=lambda wildcards: config["demo"]["checkpoints"][wildcards.demo],
+        checkpoints=config["demo"]["checkpoints"],
         model=canonical(config["demo"]["model"]),
+        vae=canonical(config["demo"]["vae"]),
     script:
-        "../scripts/make_demo_checkpoint.py"
+        "../scripts/make_demo_models.py"
 
 
 rule make_demo_text_encoder:

@@ -24,8 +24,8 @@ rule policies:
         ],
     log:
         "results/logs/policies/{checkpoint}/{prompt}.log",
-    # Tables before the figures that read them: the last jobs then run side by side.
-    priority: 1
+    # Every run's recall before the summaries and figures: the last jobs then run side by side.
+    priority: 2
     conda:
         "../envs/analysis.yaml"
     threads: 1

@@ -5,23 +5,6 @@
 # drift.csv) and draws the video figures of every closed-loop run.
 
 
-rule make_demo_vae:
-    output:
-        config=f"{DEMO_VAE_DIR}/config.json",
-        weights=f"{DEMO_VAE_DIR}/diffusion_pytorch_model.safetensors",
-    log:
-        "results/logs/make_demo_vae.log",
-    # First, as the prompts: what waits for it waits from the start.
-    priority: 3
-    conda:
-        "../envs/extract.yaml"
-    params:
-        seed=config["demo"]["vae"]["seed"],
-        base_dim=config["demo"]["vae"]["base_dim"],
-    script:
-        "../scripts/make_demo_vae.py"
-
-
 rule videos:
     input:
         vae=vae_files_input,
@@ -42,8 +25,8 @@ rule videos:
         metrics="results/videos/{checkpoint}/{prompt}/metrics.csv",
     log:
         "results/logs/videos/{checkpoint}/{prompt}.log",
-    # Next on the GPU once its rollouts are there: the video summary waits for it alone.
-    priority: 2
+    # Next on the GPU once its rollouts are there: the longest chain (the video summary waits).
+    priority: 3
     conda:
         "../envs/extract.yaml"
     threads: EXTRACT_THREADS
@@ -155,8 +138,8 @@ rule video_summary:
         ],
     log:
         "results/logs/videos/summary.log",
-    # The end of the longest chain: started as soon as its inputs are there.
-    priority: 2
+    # With the other summaries, once every extraction job is done.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     params:

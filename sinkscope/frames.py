@@ -192,17 +192,26 @@ def attention_store_bytes(
     num_frames: int,
     frame_seq_length: int,
     key_slots: int | None = None,
+    visible_tiles: int | None = None,
+    precision: str = "float32",
 ) -> int:
-    """Uncompressed bytes of one layer's attention store (Contract 4): float32 key_mass and
-    key_logit_mean over every (pass, head, query frame, key token), entropy, and per frame pair
-    the pooled mean logits, value_norm and mass_value_norm; or, over `key_slots` cache slots,
-    key_mass, key_logit_mean and the slot labels over every (pass, head, query frame, slot) and
-    entropy: linear in the frames."""
+    """Bytes of one layer's attention store (Contract 4), stored raw: key_mass over every
+    visible (pass, head, query frame, key token), in float16 with the keys' mean logits summed
+    over the heads in float32 (`precision` float16), or both per head in float32; entropy, and
+    per frame pair the pooled mean logits, prob_mass_pooled, value_norm and mass_value_norm.
+    `visible_tiles`: the (query frame, key frame) pairs a query sees (`visible_frames`; default
+    all F x F). Or, over `key_slots` cache slots, key_mass, key_logit_mean and the slot labels
+    over every (pass, head, query frame, slot) and entropy: linear in the frames."""
     if key_slots is not None:
         entries = num_passes * num_heads * num_frames
         return entries * key_slots * SLOT_ENTRY_BYTES + entries * 4
-    per_key_token = 2 * num_passes * num_heads * num_frames * num_frames * frame_seq_length * 4
-    return per_key_token + num_passes * num_heads * (num_frames + 3 * num_frames**2) * 4
+    tiles = num_frames**2 if visible_tiles is None else visible_tiles
+    keys = num_passes * tiles * frame_seq_length  # per head
+    if precision == "float16":
+        per_key_token = keys * (2 * num_heads + 4)
+    else:
+        per_key_token = keys * num_heads * 2 * 4
+    return per_key_token + num_passes * num_heads * (num_frames + 4 * num_frames**2) * 4
 
 
 def attention_chunk_frames(sizes: Sequence[int]) -> int:
@@ -221,12 +230,14 @@ def attention_store_disk_bytes(
     frames_per_block: int,
     block_size: int = 4096,
     key_slots: int | None = None,
+    visible_tiles: int | None = None,
+    precision: str = "float32",
 ) -> int:
-    """An upper bound of the disk space of one layer's attention store, whatever its arrays
-    compress to: every chunk (one per array, pass and `frames_per_block` query frames, the
-    store's chunking: `attention_chunk_frames`) stored raw with its overheads and rounded up to
-    a filesystem block, the small arrays, directories and metadata. `key_slots`: a store over
-    cache slots (`attention_store_bytes`)."""
+    """An upper bound of the disk space of one layer's attention store: every shard file (one
+    per per-key array, pass and `frames_per_block` query frames, the store's chunking:
+    `attention_chunk_frames`) with its visible key frames' chunks stored raw, their checksums
+    and index, rounded up to a filesystem block; the small arrays, directories and metadata.
+    `key_slots`: a store over cache slots (`attention_store_bytes`)."""
     arrays = 2 if key_slots is None else 6
     chunks = arrays * num_passes * -(-num_frames // frames_per_block)
     raw = attention_store_bytes(
@@ -235,8 +246,12 @@ def attention_store_disk_bytes(
         num_frames=num_frames,
         frame_seq_length=frame_seq_length,
         key_slots=key_slots,
+        visible_tiles=visible_tiles,
+        precision=precision,
     )
-    data = raw + chunks * (_CHUNK_OVERHEAD_BYTES + block_size)
+    # each shard's index and checksums: 16 + 4 bytes per key frame
+    index = 0 if key_slots is not None else chunks * num_frames * 20
+    data = raw + index + chunks * (_CHUNK_OVERHEAD_BYTES + block_size)
     directories = (3 + arrays * num_passes + chunks + 14) * block_size
     keys = num_frames * frame_seq_length if key_slots is None else key_slots
     coordinates = keys * 4 + num_frames * 4 + 8 * block_size

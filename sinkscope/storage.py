@@ -73,6 +73,16 @@ VARIABLE_ATTRS = {
         "long_name": "attention logit of the key token, mean over the query frame's tokens",
         "units": "logit",
     },
+    "key_logit_head_sum": {
+        "long_name": "attention logit of the key token, mean over the query frame's tokens, "
+        "summed over the heads",
+        "units": "logit",
+    },
+    "prob_mass_pooled": {
+        "long_name": "attention probability mass on the key frame, mean over the query frame's "
+        "tokens, summed exactly from the float32 key mass",
+        "units": "1",
+    },
     "logit_mean": {
         "long_name": "mean logit over the visible token pairs of the query and key frame",
         "units": "logit",

@@ -12,10 +12,11 @@ import pytest
 import torch
 import xarray as xr
 
+from sinkscope.extraction.attention_store import AttentionStoreWriter
 from sinkscope.extraction.capture import LogitCapture
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.sampling import SELF_FORCING, rollout
-from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter, partial_path
+from sinkscope.extraction.store import TokenStoreWriter, partial_path
 from sinkscope.frames import block_starts, visible_frames
 from sinkscope.passes import resolve_passes
 from sinkscope.wan.checkpoint import save_wan_model

@@ -447,7 +447,7 @@ def test_frame_tables_of_full_and_without_reference(tmp_path):
 def _write_slot_store(path) -> np.ndarray:
     """A store over cache slots written by the GPU job's writer (`SlotStoreWriter`), frame 0 a
     sink; returns the sink mass per (step, head, query frame) it was given."""
-    from sinkscope.extraction.store import SlotStoreWriter
+    from sinkscope.extraction.attention_store import SlotStoreWriter
 
     rng = np.random.default_rng(7)
     attrs = {"checkpoint": RUN[0], "prompt": RUN[1], "layer": 4, "key_axis": "slot"}

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sinkscope.frames import attention_store_disk_bytes, token_store_disk_bytes
+from sinkscope.frames import attention_store_disk_bytes, token_store_disk_bytes, visible_frames
 from sinkscope.workflow import plan
 
 from .test_config import checked
@@ -39,8 +39,15 @@ def test_plan_counts_every_writing_job_with_its_bound():
     every = {f.name: f for f in plan.storage_plan(every_run)}
     assert len(every["token stores"].jobs) == 4  # 2 checkpoints x 2 prompts
     attention = families["attention stores"]
+    # float16 key mass of the 252 frame pairs that 7 blocks of 3 see
     one = attention_store_disk_bytes(
-        num_passes=5, num_heads=4, num_frames=21, frame_seq_length=24, frames_per_block=3
+        num_passes=5,
+        num_heads=4,
+        num_frames=21,
+        frame_seq_length=24,
+        frames_per_block=3,
+        visible_tiles=252,
+        precision="float16",
     )
     assert len(attention.jobs) == 4 and set(attention.jobs.values()) == {4 * one}
     loop = families["closed loop"]
@@ -109,7 +116,13 @@ def test_the_plan_bounds_what_the_job_claims_with_a_lone_first_frame():
 
     config = checked(lone)
     claimed = attention_store_disk_bytes(
-        num_passes=5, num_heads=4, num_frames=19, frame_seq_length=24, frames_per_block=1
+        num_passes=5,
+        num_heads=4,
+        num_frames=19,
+        frame_seq_length=24,
+        frames_per_block=1,
+        visible_tiles=int(visible_frames([1] + [3] * 6).sum()),
+        precision="float16",
     )
     assert plan.job_disk_bytes(config, "demo_a", "survey", layers=2) == 2 * claimed
 

@@ -228,7 +228,7 @@ def test_participative_equals_brute_force():
     settings = {"budgets": [5, 6, 8], "sinks": [0, 1], "recent_frames": 1, "capacity": 7}
     rows = participative_recall(
         key_mass,
-        logit_mean,
+        logit_mean.sum(axis=1),
         blocks,
         T,
         passes=range(5),
@@ -255,7 +255,7 @@ def test_participative_equals_brute_force():
     # A store without a pass the buffer needs has no participative rows.
     assert not participative_recall(
         key_mass[:1],
-        logit_mean[:1],
+        logit_mean[:1].sum(axis=1),
         blocks,
         T,
         passes=[0],

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sinkscope.cache_choices import ParticipativeChoice
+from sinkscope.extraction.attention_store import AttentionStoreWriter
 from sinkscope.extraction.cache_policies import CachePolicy
 from sinkscope.extraction.caches import ParticipativeKVCache
 from sinkscope.extraction.capture import LogitCapture
@@ -25,7 +26,7 @@ from sinkscope.extraction.sampling import (
     model_calls,
     rollout,
 )
-from sinkscope.extraction.store import AttentionStoreWriter, TokenStoreWriter
+from sinkscope.extraction.store import TokenStoreWriter
 from sinkscope.passes import resolve_passes
 from sinkscope.schedules import with_switches
 from sinkscope.wan.config import WanConfig

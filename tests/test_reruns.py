@@ -136,7 +136,7 @@ def test_checkpoint_bytes_not_timestamps_decide_reruns(keep_going, tmp_path):
 def test_a_remade_demo_checkpoint_reruns_its_extractions(demo_run, tmp_path):
     """Demo checkpoints are workflow outputs, not ancient(): remaking one re-runs its jobs."""
     workdir = demo_copy(demo_run, tmp_path / "w")
-    planned = planned_jobs(workdir, "--forcerun", "make_demo_checkpoint")
+    planned = planned_jobs(workdir, "--forcerun", "make_demo_models")
     assert {w for r, w in planned if r == "extract"} == {"checkpoint=demo_a, prompt=eagle, layer=0"}
     assert {w for r, w in planned if r == "survey"} == {
         f"checkpoint={c}, prompt={p}" for c in ("demo_a", "demo_b") for p in ("eagle", "harbor")

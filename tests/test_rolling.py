@@ -275,8 +275,8 @@ def test_attention_store_of_a_rolling_run(tmp_path):
     frame at its step), and `prob_mass` is the reference's softmax summed per key frame."""
     from sinkscope.analysis.reduce import reduce_attention_store
     from sinkscope.analysis.stores import open_frame_dataset
+    from sinkscope.extraction.attention_store import AttentionStoreWriter
     from sinkscope.extraction.capture import LogitCapture
-    from sinkscope.extraction.store import AttentionStoreWriter
     from sinkscope.schedules import KEY_VERSION, NOISY_VERSION
 
     model, text = model_and_text()

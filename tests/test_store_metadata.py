@@ -133,15 +133,19 @@ NETCDF_ENGINES = [
 def test_attributes_are_netcdf_safe(run, kind, tmp_path):
     """No netCDF engine is a dependency: the attribute types are checked against what netCDF
     holds (the check xarray's to_netcdf runs before it writes, and stricter); where an engine is
-    installed, the store is written to netCDF and read back too (logits need float32 there:
-    netCDF has no 16-bit float)."""
+    installed, the store is written to netCDF and read back too (logits and a float16 key_mass
+    need float32 there: netCDF has no 16-bit float)."""
     with xr.open_zarr(run[kind]) as ds:
         assert netcdf_problems(ds) == []
         from xarray.backends import writers
 
         writers._validate_attrs(ds, engine="netcdf4")
         for engine in NETCDF_ENGINES:
-            encoding = {"logits": {"dtype": "float32"}} if "logits" in ds else None
+            encoding = {
+                name: {"dtype": "float32"}
+                for name in ("logits", "key_mass")
+                if name in ds and ds[name].encoding.get("dtype") == np.float16
+            }
             out = tmp_path / f"{kind}.{engine}.nc"
             ds.to_netcdf(out, engine=engine, encoding=encoding)
             with xr.open_dataset(out, engine=engine) as back:

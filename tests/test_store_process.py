@@ -20,7 +20,7 @@ import torch
 import xarray as xr
 
 from sinkscope.extraction import store_process
-from sinkscope.extraction.store import AttentionStoreWriter, SlotStoreWriter
+from sinkscope.extraction.attention_store import AttentionStoreWriter, SlotStoreWriter
 from sinkscope.extraction.store_process import (
     CONTROL_BYTES,
     RELEASED,
@@ -300,7 +300,7 @@ def test_a_parent_that_dies_takes_its_half_written_stores_with_it(tmp_path):
         import os, sys, time
         import numpy as np
         sys.path.insert(0, {str(REPO)!r})
-        from sinkscope.extraction.store import AttentionStoreWriter
+        from sinkscope.extraction.attention_store import AttentionStoreWriter
         from sinkscope.extraction.store_process import StoreProcess
         process = StoreProcess(1 << 16)
         writer = process.open(AttentionStoreWriter, {str(tmp_path / "a.zarr")!r}, **{COMMON!r})

@@ -12,9 +12,10 @@ import xarray as xr
 
 from sinkscope.analysis.reduce import reduce_attention_store, reduce_token_store
 from sinkscope.analysis.stores import open_frame_dataset
+from sinkscope.extraction.attention_store import AttentionStoreWriter
 from sinkscope.extraction.capture import softmax_reductions
 from sinkscope.extraction.job import extract
-from sinkscope.extraction.store import AttentionStoreWriter, partial_path
+from sinkscope.extraction.store import partial_path
 from sinkscope.frames import (
     attention_chunk_frames,
     attention_store_bytes,
@@ -242,10 +243,24 @@ def test_on_the_demo_both_paths_give_the_same_frame_dataset(tmp_path):
 
 # Self-Forcing's two block layouts (no shorter last block): blocks of 2, and a lone first frame
 # before them, whose key_mass chunks are one query frame (`attention_chunk_frames`).
+@pytest.mark.parametrize("precision", ["float16", "float32"])
 @pytest.mark.parametrize("sizes", [[2, 2, 2], [1, 2, 2]], ids=["blocks", "lone-first-frame"])
-def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
-    # Real geometry: 21 frames of 1560 tokens, 12 heads, 5 passes.
-    raw = attention_store_bytes(num_passes=5, num_heads=12, num_frames=21, frame_seq_length=1560)
+def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes, precision):
+    # Real geometry: 21 frames of 1560 tokens, 12 heads, 5 passes; the 7 blocks of 3 see 252 of
+    # the 441 frame pairs.
+    real = {"num_passes": 5, "num_heads": 12, "num_frames": 21, "frame_seq_length": 1560}
+    raw = attention_store_bytes(**real)
+    visible = int(visible_frames([3] * 7).sum())
+    small = 5 * 12 * (21 + 4 * 21 * 21) * 4  # entropy; per frame pair four float32 arrays
+    assert visible == 252
+    assert attention_store_bytes(**real, visible_tiles=visible, precision="float16") == (
+        5 * 252 * 1560 * (12 * 2 + 4) + small  # float16 mass per head, float32 head-summed logits
+    )
+    # Issue 44: at most 2.5 GB on disk per prompt for 30 layers, by default.
+    survey = 30 * attention_store_disk_bytes(
+        **real, frames_per_block=3, visible_tiles=visible, precision="float16"
+    )
+    assert survey <= 2.5e9
     tokens = token_store_bytes(
         num_passes=5,
         num_heads=12,
@@ -254,9 +269,9 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
         local_attn_size=-1,
         sink_size=0,
     )
-    # key_mass and key_logit_mean float32 per key token; entropy; per frame pair the pooled
-    # logits, value_norm and mass_value_norm.
-    assert raw == 2 * 5 * 12 * 21 * 21 * 1560 * 4 + 5 * 12 * (21 + 3 * 21 * 21) * 4
+    # key_mass and key_logit_mean float32 per key token of the video; entropy; per frame pair
+    # the pooled logits, prob_mass_pooled, value_norm and mass_value_norm.
+    assert raw == 2 * 5 * 12 * 21 * 21 * 1560 * 4 + small
     assert raw / tokens < 0.01
     # The bound holds for incompressible key mass on a small geometry.
     num_frames, chunk_frames = sum(sizes), attention_chunk_frames(sizes)
@@ -269,6 +284,7 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
         timesteps=[1000.0, 0.0],
         pass_kinds=["denoise", "cache"],
         attrs={"layer": 0},
+        precision=precision,
     )
     rng = np.random.default_rng(0)
     with writer:
@@ -286,6 +302,81 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes):
         num_frames=num_frames,
         frame_seq_length=8,
         frames_per_block=chunk_frames,
+        visible_tiles=int(visible_frames(sizes).sum()),
+        precision=precision,
     )
     assert 0 < used <= bound
     assert not partial_path(tmp_path / "s.zarr").exists()
+
+
+def test_a_float16_survey_agrees_with_the_float32_one(tmp_path):
+    """Issue 44: the default float16 store, against the float32 store of the same rollout (the
+    demo model, 2 blocks, every pass). Frame datasets and their statistics: the same numbers
+    (prob_mass comes from the float32 mass in both). key_mass: each value within float16's
+    rounding, 2^-11 of itself (2^-40 absolute in its subnormal range). Recall of every policy:
+    within 3 x 2^-11 (docs/DATA.md derives it). And the per-key bytes: (2 H + 4) / 8 H of the
+    float32 store's."""
+    from sinkscope.analysis.policies import policy_table
+    from sinkscope.analysis.stats import frame_statistics
+    from sinkscope.analysis.stores import open_attention_store
+
+    prompt, settings = _demo_inputs(tmp_path)
+    stores, frames, tables, sizes = {}, {}, {}, {}
+    for precision in ("float16", "float32"):
+        settings["capture"]["survey_precision"] = precision
+        stores[precision] = tmp_path / precision / "layer0.zarr"
+        extract(
+            layers=[0],
+            outputs=[stores[precision]],
+            store="attention",
+            checkpoint_name="demo_a",
+            prompt_name="p",
+            prompt_embeddings=prompt,
+            settings=settings,
+            progress=False,
+        )
+        reduce_attention_store(stores[precision], tmp_path / f"{precision}.frames.zarr")
+        frames[precision] = open_frame_dataset(tmp_path / f"{precision}.frames.zarr")
+        opened = open_attention_store(stores[precision])
+        tables[precision] = policy_table(
+            frames[precision],
+            opened,
+            budgets=[3, 4, 5, 6],
+            sinks=[0, 1],
+            recent_frames=1,
+            capacity=5,
+            reuse_cap=2,
+        )
+        # the per-key arrays' bytes (the small arrays and metadata are the same in both)
+        sizes[precision] = sum(
+            p.stat().st_size
+            for name in ("key_mass", "key_logit_mean", "key_logit_head_sum")
+            for p in (stores[precision] / name).rglob("*")
+            if p.is_file()
+        )
+    half, full = (open_attention_store(stores[p]) for p in ("float16", "float32"))
+    assert half.key_mass.encoding["dtype"] == np.float16 and "key_logit_mean" not in half
+    exact, rounded = full.key_mass.values, half.key_mass.values
+    np.testing.assert_array_equal(np.isnan(rounded), np.isnan(exact))
+    seen = ~np.isnan(exact)
+    error = np.abs(rounded[seen] - exact[seen])
+    assert (error <= 2.0**-11 * np.abs(exact[seen]) + 2.0**-40).all()
+    assert error.max() > 0  # float16 rounded something: the check above can fail
+    np.testing.assert_array_equal(
+        half.key_logit_head_sum.values, full.key_logit_mean.values.sum(axis=1)
+    )
+    for name in ("prob_mass", "entropy", "logit_mean", "value_norm", "mass_value_norm"):
+        np.testing.assert_array_equal(frames["float16"][name], frames["float32"][name])
+    for query in ("last_block", "each_block"):
+        a, b = (frame_statistics(frames[p], query=query) for p in ("float16", "float32"))
+        assert a.equals(b)
+    keys = [c for c in tables["float32"].columns if c != "recall"]
+    merged = tables["float16"].merge(tables["float32"], on=keys, suffixes=("_16", "_32"))
+    assert len(merged) == len(tables["float32"]) == len(tables["float16"])
+    assert {"participative", "top_c", "top_c_oracle"} <= set(merged["policy"])
+    difference = (merged["recall_16"] - merged["recall_32"]).abs()
+    assert difference.max() <= 3 * 2.0**-11 + 1e-7
+    # float16 mass per head and float32 logits summed over the heads, against float32 both (and
+    # the same number of checksums, index entries and metadata files: 7 % of a 576-byte chunk)
+    heads = half.sizes["head"]
+    assert sizes["float16"] / sizes["float32"] <= (2 * heads + 4) / (8 * heads) * 1.1

@@ -79,7 +79,7 @@ def write_store(folder: Path, policy: str, layer: int, seed: int, attrs=ATTRS) -
     """A store over slots written as the closed loop writes it (blocks in order, each switch's
     recache before the block it switches at). Returns the store and, per (step, head, query
     frame), the mass, frame and kind of every slot as they must end up in it."""
-    from sinkscope.extraction.store import SlotStoreWriter
+    from sinkscope.extraction.attention_store import SlotStoreWriter
 
     rng = np.random.default_rng(seed)
     slots = 8 * T

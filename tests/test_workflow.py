@@ -96,9 +96,7 @@ def test_new_layer_or_prompt_runs_only_new_jobs(demo_run, tmp_path):
     jobs = planned_jobs(workdir)
     # Layer 1 is surveyed: its token store only for capture.token_runs.
     assert {w for r, w in jobs if r == "extract"} == {"checkpoint=demo_a, prompt=eagle, layer=1"}
-    assert not any(
-        r in {"encode_prompt", "make_demo_checkpoint", "compare_figures"} for r, _ in jobs
-    )
+    assert not any(r in {"encode_prompt", "make_demo_models", "compare_figures"} for r, _ in jobs)
 
     edit_config(workdir, lambda c: (c.update(layers=[0]), c["prompts"].update(fox="A red fox")))
     jobs = planned_jobs(workdir)

@@ -19,8 +19,9 @@ block included):
   and `deep_forcing`): a cache of `capacity` frames pruned, when a block overflows it, to the
   sinks, the top C = B - S - R - own tokens by the raw q.k of the buffered queries (the newest
   R + own frames of query tokens in call order, summed over the layer's heads: `key_logit_mean`
-  times T) and the R recent frames and own block; a token chosen `reuse_cap` times leaves. One
-  choice for all heads. Needs `key_logit_mean` of the passes the buffer holds.
+  summed over the heads, `key_logit_head_sum`, times T) and the R recent frames and own block; a
+  token chosen `reuse_cap` times leaves. One choice for all heads. Needs those logits of the
+  passes the buffer holds.
 - `top_c`: the own block, the R most recent frames before it, and up to C = (B - own - R) x T
   history tokens, each head its own choice: when a block arrives the frames leaving the recent
   window join the kept history, and more than C are cut to those with the most attention from
@@ -290,7 +291,7 @@ def token_policy_recall(
 
 def participative_recall(
     key_mass: np.ndarray,
-    key_logit_mean: np.ndarray,
+    head_logits: np.ndarray,
     blocks: np.ndarray,
     frame_seq_length: int,
     *,
@@ -303,7 +304,8 @@ def participative_recall(
     reuse_cap: int,
 ) -> list[tuple]:
     """Recall of `participative` (Participative Compression, one choice for all heads) from
-    key_mass and key_logit_mean [step, head, query_frame, key_token]; `passes`: the pass of a
+    key_mass [step, head, query_frame, key_token] and head_logits [step, query_frame,
+    key_token], each key's mean logit summed over the heads; `passes`: the pass of a
     block each step is, of `passes_per_block`. Every budget up to `capacity` and every sink
     count that leaves room for the recent frames and the own block. None when a prune's
     buffered queries are of a pass the store lacks.
@@ -315,9 +317,8 @@ def participative_recall(
     sizes = [len(frames) for frames in block_frames.values()]
     per_block = max(sizes)
     step_of_pass = {int(p): step for step, p in enumerate(passes)}
-    # Per key token, the summed mean logit over the heads: T times the raw q.k summed over a
-    # query frame's tokens and the heads, up to the positive scale (Deep Forcing's score).
-    head_logits = key_logit_mean.sum(axis=1)  # [S, Q, N]
+    # head_logits: per key token, T times the raw q.k summed over a query frame's tokens and
+    # the heads, up to the positive scale (Deep Forcing's score).
     rows = []
     for budget in budgets:
         for sink in sinks:
@@ -388,17 +389,23 @@ def policy_table(
         frame_rows = frame_policy_recall(frame_dataset["prob_mass"].values, blocks, budgets, sinks)
     tables = [pd.DataFrame(frame_rows, columns=[*_ROW, "sink_frames", "recall"])]
     if attention_store is not None and not rolling:
-        key_mass = attention_store["key_mass"].values
+        # float64 from a float16 store (xarray undoes its scale_factor in float64)
+        key_mass = attention_store["key_mass"].values.astype(np.float32, copy=False)
         t = int(attention_store.attrs["frame_seq_length"])
         kinds = [str(kind) for kind in attention_store["pass_kind"].values]
         cache_step = kinds.index("cache") if "cache" in kinds else None
         token_rows = token_policy_recall(key_mass, blocks, t, budgets, recent_frames, cache_step)
         tables.append(pd.DataFrame(token_rows, columns=[*_ROW, "recent_frames", "recall"]))
         attrs = decoded_attrs(attention_store)
-        if "key_logit_mean" in attention_store and "passes" in attrs:
+        head_logits = None
+        if "key_logit_head_sum" in attention_store:  # a float16 store: summed by the survey
+            head_logits = attention_store["key_logit_head_sum"].values
+        elif "key_logit_mean" in attention_store:
+            head_logits = attention_store["key_logit_mean"].values.sum(axis=1)
+        if head_logits is not None and "passes" in attrs:
             rows = participative_recall(
                 key_mass,
-                attention_store["key_logit_mean"].values,
+                head_logits,
                 blocks,
                 t,
                 passes=attrs["passes"],

@@ -399,6 +399,11 @@ def _reduce_attention_dataset(path: Path, ds: xr.Dataset, threads: int | None) -
     entropy = read_values(path, ds, "entropy", kind).astype(np.float32)
     logit_mean = read_values(path, ds, "logit_mean_pooled", kind).astype(np.float32)
     _check_mass(path, prob_mass, logit_mean)
+    if "prob_mass_pooled" in ds:  # stores before it have the token sums alone
+        # The token sums are checked against the exact frame sums, which are then used.
+        pooled = read_values(path, ds, "prob_mass_pooled", kind).astype(np.float32)
+        _check_mass_sums(path, prob_mass, pooled, tokens_per_frame)
+        prob_mass = pooled
     versions = read_values(path, ds, "key_version", kind) if "key_version" in ds else None
     # The value side, where the store has it (stores of older surveys have none).
     values = {
@@ -430,8 +435,13 @@ def _attention_prob_mass(
         for q in range(0, queries, query_run)
     ]
 
+    # A float16 store's key_mass is stored scaled (CF's scale_factor, a power of two: exact).
+    scale = np.float32(key_mass.attrs.get("scale_factor", 1.0))
+
     def reduce_region(region: tuple[slice, ...]) -> None:
         values = read_region(key_mass, region, kind, path, "key_mass")
+        if values.dtype != np.float32:
+            values = values.astype(np.float32) * scale
         frames = values.reshape(*values.shape[:3], num_frames, tokens_per_frame)
         prob_mass[region[:3]] = frames.sum(axis=-1, dtype=np.float32)
 
@@ -444,6 +454,26 @@ def _attention_prob_mass(
                 logged = now
                 _log_progress(what, done, len(regions), now - started)
     return prob_mass
+
+
+def _check_mass_sums(
+    path: Path, prob_mass: np.ndarray, pooled: np.ndarray, tokens_per_frame: int
+) -> None:
+    """The key frames' sums of the stored key_mass must equal the store's exact sums up to the
+    stored precision: float16 rounds each value to 2^-11 of itself (and to 2^-40 in its subnormal
+    range, scaled by KEY_MASS_SCALE), so a frame's sum moves by at most 2^-11 of itself plus
+    T x 2^-40; float32 sums add 2^-20. More means a chunk holds other values than the survey
+    computed."""
+    kind = STORE_NAMES["attention"]
+    seen = ~np.isnan(pooled)
+    error = np.abs(prob_mass[seen] - pooled[seen])
+    tolerance = (2.0**-11 + 2.0**-20) * np.abs(pooled[seen]) + tokens_per_frame * 2.0**-40
+    if (error > tolerance).any():
+        worst = float((error - tolerance).max())
+        raise ValueError(
+            f"{kind} {path}: key_mass summed per key frame differs from prob_mass_pooled by "
+            f"{worst:.3g} beyond float16's rounding: the store is damaged; {DAMAGED[kind]}"
+        )
 
 
 def _check_mass(path: Path, prob_mass: np.ndarray, pooled: np.ndarray) -> None:

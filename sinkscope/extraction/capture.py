@@ -26,7 +26,8 @@ from sinkscope.schedules import BlockPart, ModelCall, key_versions
 from sinkscope.wan.model import VisibleKeys
 
 from . import fused_softmax
-from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter
+from .attention_store import AttentionStoreWriter, SlotStoreWriter
+from .store import TokenStoreWriter
 
 # Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
 # (64 rows of 32760 keys: 8 MB), about as fast as the fused attention kernel at head_dim 128

@@ -23,6 +23,7 @@ from sinkscope.frames import (
     attention_chunk_frames,
     attention_store_disk_bytes,
     token_store_disk_bytes,
+    visible_frames,
 )
 from sinkscope.passes import resolve_passes
 from sinkscope.schedules import ModelCall, block_starts_of, with_switches
@@ -37,10 +38,11 @@ from sinkscope.wan.text import load_prompt_segments
 from sinkscope.workflow.digest import combine, sha256_file
 from sinkscope.workflow.gpus import job_device
 
+from .attention_store import AttentionStoreWriter, SlotStoreWriter
 from .capture import LogitCapture
 from .latents import save_latents
 from .sampling import Geometry, Schedule, model_calls, rollout
-from .store import AttentionStoreWriter, SlotStoreWriter, TokenStoreWriter, partial_path
+from .store import TokenStoreWriter, partial_path
 from .store_process import RemoteWriter, attention_store_process
 
 STORE_KINDS = ("tokens", "attention")
@@ -68,6 +70,8 @@ class RolloutPlan:
     global_sink: bool = True
     # capture.passes as given ('all', 'cache', an index, a list), resolved again for a schedule
     capture_spec: str | int | list = "all"
+    # capture.survey_precision: what an attention store's key_mass is stored in
+    survey_precision: str = "float16"
 
     @classmethod
     def from_settings(cls, settings: dict) -> RolloutPlan:
@@ -101,6 +105,8 @@ class RolloutPlan:
             recache=bool(sampler.get("recache", False)),
             global_sink=bool(sampler.get("global_sink", True)),
             capture_spec=settings["capture"]["passes"],
+            # Absent at its default (workflow.params.extraction_settings).
+            survey_precision=settings["capture"].get("survey_precision", "float16"),
         )
 
     def with_segments(self, segments: Sequence[Segment]) -> RolloutPlan:
@@ -266,6 +272,13 @@ def stores_in_a_process(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _visible_tiles(plan: RolloutPlan) -> int:
+    """The (query frame, key frame) pairs the rollout's queries see: an attention store's keys."""
+    rolling = len(plan.schedule.steps) if plan.sampler == "rolling" else None
+    sizes = list(plan.geometry.block_sizes)
+    return int(visible_frames(sizes, plan.local_attn_size, plan.sink_size, rolling).sum())
+
+
 def plan_stores(
     cfg: WanConfig,
     plan: RolloutPlan,
@@ -365,6 +378,8 @@ def plan_stores(
         if key_slots is not None:
             options["slots"] = key_slots
             writer_class = SlotStoreWriter
+        else:
+            options["precision"] = plan.survey_precision
         store_bytes = attention_store_disk_bytes(
             num_passes=len(plan.passes),
             num_heads=cfg.num_heads,
@@ -373,8 +388,14 @@ def plan_stores(
             frames_per_block=options["frames_per_block"],
             block_size=block_size,
             key_slots=key_slots,
+            visible_tiles=None if key_slots is not None else _visible_tiles(plan),
+            precision=plan.survey_precision,
         )
-        what = "the attention stores (float32 key mass, stored raw)"
+        what = (
+            "the attention stores (key mass of the visible keys, stored raw)"
+            if key_slots is None
+            else "the attention stores over cache slots"
+        )
     log.info(
         "%d %s store(s) of %s, up to %.3f GB each on disk",
         len(outputs),

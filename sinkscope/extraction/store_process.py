@@ -6,7 +6,8 @@ over a 30-layer survey) through zarr and blosc. In the model's process, the writ
 kernels, and every `.cpu()` of a reduction waits for the GPU: on an H200 the stores took 8.6 s and
 the copies 1.4 s of a 15.7 s survey whose device work alone took 5.7 s (benchmarks/README.md).
 
-Here the writers (`store.AttentionStoreWriter` and its kin, unchanged) run in a child process (a
+Here the writers (`attention_store.AttentionStoreWriter` and its kin, unchanged) run in a child
+process (a
 GPU job's: `job.stores_in_a_process`).
 Their arguments travel through one shared-memory ring (`memfd`, page-locked for the GPU with
 `cudaHostRegister`): a call copies its tensors into the ring on a copy stream of its own and
@@ -562,6 +563,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     yield_to_the_model()
     fd, size, dry_run = (int(value) for value in sys.argv[1:4])
+    import torch
+
+    # The writers' float16 casts (attention_store): a millisecond each, one thread each, beside
+    # the other writers' threads and the model's process.
+    torch.set_num_threads(1)
     serve(fd, size, bool(dry_run), sys.stdin.buffer, sys.stdout.buffer)
 
 

@@ -55,7 +55,7 @@ def _is_demo_path(config: dict, path: str) -> bool:
 
 
 def is_demo_checkpoint(config: dict, name: str) -> bool:
-    """Whether checkpoint `name` is one the workflow makes itself (rule make_demo_checkpoint)."""
+    """Whether checkpoint `name` is one the workflow makes itself (rule make_demo_models)."""
     return _is_demo_path(config, checkpoint_spec(config, name).base)
 
 
@@ -385,7 +385,7 @@ def export_token_files(config: dict) -> dict[str, str]:
 
 # --- videos (Wan's VAE) -------------------------------------------------------------------------
 
-DEMO_VAE_DIR = f"{DEMO_DIR}/vae"  # the demo's tiny VAE, a diffusers folder (rule make_demo_vae)
+DEMO_VAE_DIR = f"{DEMO_DIR}/vae"  # the demo's tiny VAE, a diffusers folder (rule make_demo_models)
 VAE_FILE = "Wan2.1_VAE.pth"  # beside the base model, as the family's READMEs lay it out
 VIDEO_SETTINGS = ("closed_loop", "all", "none")
 

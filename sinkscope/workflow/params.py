@@ -114,6 +114,10 @@ def extraction_settings(
         capture = {"passes": token_passes(config), "tokens": config["capture"]["tokens"]}
     else:
         capture = {"passes": config["capture"]["passes"]}
+        # Only when not the default, so the surveys of runs from before the option existed
+        # (float32 stores, which still open) are not rerun for it.
+        if config["capture"].get("survey_precision", "float16") != "float16":
+            capture["survey_precision"] = config["capture"]["survey_precision"]
     return canonical(
         {
             # The spec's fields (what the loader gets) and the content of the files they name.

@@ -77,6 +77,8 @@ def job_disk_bytes(config: dict, name: str, job: str, *, layers: int = 1) -> int
             # the chunking the job uses ([1, 3, 3, ...]: one query frame per chunk)
             frames_per_block=attention_chunk_frames(g.sizes),
             key_slots=key_slots,
+            visible_tiles=None if key_slots is not None else g.visible_tiles,
+            precision=config["capture"].get("survey_precision", "float16"),
         )
 
     if job == "survey":

@@ -23,6 +23,7 @@ from sinkscope.frames import (
     export_bytes,
     pixel_frame_count,
     token_store_bytes,
+    visible_frames,
 )
 from sinkscope.passes import resolve_passes
 from sinkscope.schedules import ROLLING_CACHE_FRAMES, denoising_steps
@@ -75,6 +76,15 @@ class StoreGeometry:
     @property
     def num_frames(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def visible_tiles(self) -> int:
+        """The (query frame, key frame) pairs the queries see (`frames.visible_frames`)."""
+        return int(
+            visible_frames(
+                self.sizes, self.local_attn_size, self.sink_size, self.rolling_steps
+            ).sum()
+        )
 
     @property
     def token_layout(self) -> dict:
@@ -134,6 +144,8 @@ def survey_store_bytes(config: dict, name: str) -> int:
         num_heads=g.num_heads,
         num_frames=g.num_frames,
         frame_seq_length=g.frame_seq_length,
+        visible_tiles=g.visible_tiles,
+        precision=config["capture"].get("survey_precision", "float16"),
     )
     return one * len(survey_layers(config))
 
