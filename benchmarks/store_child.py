@@ -72,7 +72,7 @@ def through_zarr(writer: AttentionStoreWriter, step, first, key_frames, mass, lo
     sharded arrays, zarr's pipeline choosing the chunks to write: the writer before
     extraction/shards.py."""
     scaled = mass * np.float32(KEY_MASS_SCALE)
-    for array, values in ((writer.key_mass, scaled), (writer.key_logit_mean, logits.sum(axis=0))):
+    for array, values in ((writer.key_mass, scaled), (writer.key_logits, logits.sum(axis=0))):
         rows = np.full((1, *values.shape[:-1], FRAMES * T), np.nan, array.dtype)
         rows[0, ..., : len(key_frames) * T] = values
         array[step : step + 1, ..., first : first + BLOCK, :] = rows

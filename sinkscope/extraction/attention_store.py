@@ -108,10 +108,11 @@ class AttentionStoreWriter(_StoreWriter):
     def _create_arrays(self, group: zarr.Group) -> None:
         heads = (self.num_heads,)
         self.key_mass = self._per_key_array(group, "key_mass", heads, self.precision)
+        # the keys' mean logits: per head (float32 stores), or summed over the heads
         if self.precision == "float32":
-            self.key_logit_mean = self._per_key_array(group, "key_logit_mean", heads, "float32")
+            self.key_logits = self._per_key_array(group, "key_logit_mean", heads, "float32")
         else:
-            self.key_logit_mean = self._per_key_array(group, "key_logit_head_sum", (), "float32")
+            self.key_logits = self._per_key_array(group, "key_logit_head_sum", (), "float32")
 
     def _per_key_array(self, group: zarr.Group, name: str, heads: tuple, dtype: str):
         """[steps, *heads, F, N] of `dtype`, a shard per block and pass, a chunk per key frame;
@@ -154,7 +155,7 @@ class AttentionStoreWriter(_StoreWriter):
         frames_per_block, T], the chunks of `key_frames` (ascending) of each shard in turn."""
         first_shard = first_query_frame // self.frames_per_block
         written = 0
-        for array, chunks in ((self.key_mass, mass), (self.key_logit_mean, logits)):
+        for array, chunks in ((self.key_mass, mass), (self.key_logits, logits)):
             folder = self.tmp / array.basename
             heads = (0,) if chunks.ndim == 6 else ()
             for index, shard in enumerate(chunks):
