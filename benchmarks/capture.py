@@ -14,13 +14,17 @@ Three measurements, each in its own subprocess so that peak memories do not mix:
   with the same array creation, one shard row at a time in a simple loop in the main thread.
 
 Printed: extraction time with and without capture, capture throughput (logical bytes of the
-visible tiles per second of the capture run) as a ratio of the plain write, peak resident memory
-of the capture run, bytes on disk and compression ratio. Ratios are of one run; not a test.
+visible tiles per second of the capture run) as a ratio of the plain write, the writer thread's
+throughput per core (bytes over its own CPU time, user and kernel apart: issue 44 asks for 3x the
+zarr pipeline's), peak resident memory of the capture run, bytes on disk and compression ratio.
+Ratios are of one run; not a test. The writer writes each row's shard as a file past the page
+cache where the file system takes it (`extraction/shards.py`; SINKSCOPE_DIRECT_IO=0 measures the
+page cache instead).
 
 The store's chunks carry crc32c checksums. `--checksums both` runs the capture and the plain write
-also without them (as TokenStoreWriter wrote the store before), taking turns, and prints what the
-checksums cost; `--checksums no` measures only that. `--repeat N` runs the capture and the plain
-write N times each (taking turns with the other variant) and keeps the fastest run of each.
+also without them, taking turns, and prints what the checksums cost; `--checksums no` measures
+only that. `--repeat N` runs the capture and the plain write N times each (taking turns with the
+other variant) and keeps the fastest run of each.
 
     python benchmarks/capture.py                      # 4 heads, cache pass: 4.9 GB of logits
     python benchmarks/capture.py --heads 2 --passes all
@@ -216,6 +220,8 @@ def run_capture(args) -> dict:
         "close_seconds": seconds - (rollout_done - started),
         "queue_wait_seconds": counter.wait_seconds,
         "writer_seconds": writer.write_seconds,
+        "writer_user_seconds": writer.write_user_seconds,
+        "writer_system_seconds": writer.write_system_seconds,
         "writer_bytes": writer.bytes_written,
         "cpu_seconds": cpu_seconds() - cpu0,
         "rows": counter.rows,
@@ -365,6 +371,10 @@ def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain
     # The capture's write throughput: bytes over the time its writer thread spent writing them
     # (that thread shares the 2 cores with the model); the run as a whole is section 1.
     capture_tput = capture["writer_bytes"] / capture["writer_seconds"]
+    # ... and per core: over the CPU time of that thread alone (time.thread_time)
+    writer_cpu = capture["writer_user_seconds"] + capture["writer_system_seconds"]
+    per_core = capture["writer_bytes"] / writer_cpu
+    per_user_core = capture["writer_bytes"] / max(capture["writer_user_seconds"], 1e-9)
     run_tput = logical / capture["seconds"]
     plain_tput = plain["logical_bytes"] / plain["seconds"]
     tput_ratio = capture_tput / plain_tput
@@ -392,6 +402,12 @@ def report(args, rollout: dict, capture: dict, plain: dict, stored: tuple, plain
         "2. write throughput (logical bytes / s)",
         f"   capture writer               {mbps(capture_tput):>10}  "
         f"({gb(capture['writer_bytes'])} in {capture['writer_seconds']:.1f} s of writer time)",
+        f"   capture writer, per core     {mbps(per_core):>10}  "
+        f"({writer_cpu:.1f} s of the writer thread's CPU time: "
+        f"{capture['writer_user_seconds']:.1f} s user, "
+        f"{capture['writer_system_seconds']:.1f} s in the kernel)",
+        f"   ... outside the kernel       {mbps(per_user_core):>10}  "
+        "(the writer's own work: the page cache's copy aside)",
         f"   capture run, end to end      {mbps(run_tput):>10}  "
         f"({gb(logical)} in {capture['seconds']:.1f} s, rollout compute included; "
         f"{run_tput / plain_tput:.2f} x the plain write)",

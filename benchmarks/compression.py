@@ -64,6 +64,7 @@ CHECKSUMMED, UNCHECKED = "blosc zstd 1 shuffle + crc32c", "blosc zstd 1 shuffle"
 def candidate_codecs() -> dict[str, object]:
     return {
         "none": None,
+        "crc32c (no compression)": [Crc32cCodec()],
         "blosc zstd 1 shuffle": BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2),
         # The same bytes twice: the checksums computed in worker threads (as the store does), or
         # in zarr's event loop, one chunk after the other (zarr's Crc32cCodec).
@@ -165,9 +166,8 @@ class TileCollector:
     def write_pooled(self, *args, **kwargs) -> None:
         """Frame-level pooled logits are not part of this benchmark."""
 
-    def write_row(self, step, head, query_frame, tile, key_frames) -> None:
-        for index in range(len(key_frames)):
-            self.tiles.append(tile[:, index * self.t : (index + 1) * self.t].copy())
+    def write_row(self, step, head, query_frame, tiles, key_frames) -> None:
+        self.tiles.extend(tile.copy() for tile in tiles)  # [key frames, T, T]
 
 
 def model_rows(heads: int, seed: int) -> Rows:

@@ -187,7 +187,8 @@ def run_build(args) -> dict:
                     key_frames = np.flatnonzero(seen[frame])
                     keys = k[key_frames[0] * T : (key_frames[-1] + 1) * T]  # one run
                     tile = (q[frame * T : (frame + 1) * T] @ keys.T).astype(np.float16)
-                    writer.write_row(step, head, frame, tile, key_frames)
+                    per_key_frame = np.ascontiguousarray(tile.reshape(T, -1, T).transpose(1, 0, 2))
+                    writer.write_row(step, head, frame, per_key_frame, key_frames)
                     rows += 1
                     tiles += len(key_frames)
             writer.write_pooled(step, 0, np.arange(NUM_FRAMES), pooled.astype(np.float32))

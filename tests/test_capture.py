@@ -180,7 +180,7 @@ def test_failed_write_leaves_no_store(tmp_path):
             attrs={},
         ) as writer,
     ):
-        writer.write_row(0, 0, 0, np.zeros((2, 2), np.float16), np.array([0]))
+        writer.write_row(0, 0, 0, np.zeros((1, 2, 2), np.float16), np.array([0]))
         raise KeyError("boom")
     assert not store.exists() and not partial_path(store).exists()
 
@@ -320,7 +320,7 @@ def test_disk_bound_holds_for_incompressible_logits(tmp_path):
             for head in range(heads):
                 for frame in range(6):
                     keys = np.flatnonzero(seen[frame])
-                    bits = rng.integers(0, 0x7C00, (t, len(keys) * t), dtype=np.uint16)
+                    bits = rng.integers(0, 0x7C00, (len(keys), t, t), dtype=np.uint16)
                     writer.write_row(step, head, frame, bits.view(np.float16), keys)
     bound = token_store_disk_bytes(
         num_passes=len(steps),

@@ -3,15 +3,18 @@ own writes of the same data: the same bytes, file for file, and zarr reads them 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from sinkscope.extraction.shards import shard_key, write_shard
+from sinkscope.extraction import shards
+from sinkscope.extraction.shards import direct_io_works, shard_key, write_shard
 
 
-def _array(root, name, dtype, shape, chunks, shards, separator="/"):
+def _array(root, name, dtype, shape, chunks, shards, separator="/", checksums=True):
     group = zarr.open_group(str(root), mode="a", zarr_format=3)
     return group.create_array(
         name,
@@ -20,16 +23,20 @@ def _array(root, name, dtype, shape, chunks, shards, separator="/"):
         shards=shards,
         dtype=dtype,
         fill_value=np.nan,
-        compressors=(Crc32cCodec(),),
+        compressors=(Crc32cCodec(),) if checksums else (),
         config={"write_empty_chunks": False},
         chunk_key_encoding={"name": "default", "separator": separator},
     )
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("checksums", [True, False], ids=["crc32c", "bare"])
 @pytest.mark.parametrize("separator", ["/", "."])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("visible", [[0, 1, 2, 3, 4], [0, 2, 3], [4]], ids=["all", "gaps", "one"])
-def test_a_shard_written_as_a_file_is_the_one_zarr_writes(tmp_path, dtype, visible, separator):
+def test_a_shard_written_as_a_file_is_the_one_zarr_writes(
+    tmp_path, dtype, visible, separator, checksums, direct
+):
     heads, frames, t, keys = 3, 2, 6, 5  # a shard (1, heads, frames, keys * t) of chunks per key
     shape, chunks, shards = (
         (2, heads, 4, keys * t),
@@ -41,14 +48,15 @@ def test_a_shard_written_as_a_file_is_the_one_zarr_writes(tmp_path, dtype, visib
     rows = np.full((1, heads, frames, keys * t), np.nan, dtype)
     for key in visible:
         rows[..., key * t : (key + 1) * t] = values[..., key * t : (key + 1) * t]
-    theirs = _array(tmp_path / "zarr.zarr", "a", dtype, shape, chunks, shards, separator)
+    layout = (dtype, shape, chunks, shards, separator, checksums)
+    theirs = _array(tmp_path / "zarr.zarr", "a", *layout)
     theirs[1:2, :, 2:4, :] = rows
     # its metadata alone: the shard comes from write_shard
-    _array(tmp_path / "ours.zarr", "a", dtype, shape, chunks, shards, separator)
+    _array(tmp_path / "ours.zarr", "a", *layout)
     packed = np.stack([rows[..., key * t : (key + 1) * t] for key in visible])
     shard = shard_key(tmp_path / "ours.zarr" / "a", (1, 0, 1, 0), separator)
     shard.parent.mkdir(parents=True, exist_ok=True)
-    written = write_shard(shard, packed, visible, keys)
+    written = write_shard(shard, packed, visible, keys, checksums=checksums, direct=direct)
     path = shard_key(tmp_path / "zarr.zarr" / "a", (1, 0, 1, 0), separator)
     assert path.read_bytes() == shard.read_bytes()
     assert written == path.stat().st_size
@@ -63,3 +71,115 @@ def test_nothing_to_write_writes_no_file(tmp_path):
     assert not path.exists()
     with pytest.raises(ValueError, match="C-contiguous"):
         write_shard(path, np.ones((2, 4), "float32")[:, ::2], [0, 1], 2)
+
+
+def test_a_token_store_row_is_the_shard_zarr_writes(tmp_path):
+    """TokenStoreWriter's rows (key frames given in any order, with gaps as a sink and a window
+    leave them) are the files zarr writes for the same logits into the same array, and read back
+    as written, NaN where no key frame was given."""
+    from sinkscope.extraction.store import TokenStoreWriter
+
+    t, frames, heads = 4, 5, 2
+    rows = {  # (step, head, query frame): key frames, as a capture hands them
+        (0, 0, 0): [0],
+        (0, 1, 4): [4, 0, 3],  # a sink frame and a window, out of order
+        (1, 0, 2): [0, 1, 2],
+    }
+    rng = np.random.default_rng(1)
+    tiles = {
+        key: rng.standard_normal((len(keys), t, t)).astype(np.float16) for key, keys in rows.items()
+    }
+    store = tmp_path / "tokens.zarr"
+    with TokenStoreWriter(
+        store,
+        num_heads=heads,
+        num_frames=frames,
+        frame_seq_length=t,
+        timesteps=[500.0, 0.0],
+        pass_kinds=["denoise", "cache"],
+        attrs={},
+    ) as writer:
+        for (step, head, query), keys in rows.items():
+            writer.write_row(step, head, query, tiles[(step, head, query)], np.array(keys))
+    expected = np.full((2, heads, frames * t, frames * t), np.nan, np.float16)
+    for (step, head, query), keys in rows.items():
+        for tile, key in zip(tiles[(step, head, query)], keys, strict=True):
+            expected[step, head, query * t : (query + 1) * t, key * t : (key + 1) * t] = tile
+    ours = zarr.open_array(str(store / "logits"), mode="r")
+    np.testing.assert_array_equal(ours[...], expected)
+    # zarr's own write of the same rows into an array of the same metadata
+    theirs = zarr.create_array(
+        str(tmp_path / "theirs"),
+        shape=ours.shape,
+        dtype=ours.dtype,
+        chunks=ours.shards,  # the sharding serializer given: chunks are its shards
+        serializer=ours.metadata.codecs[0],
+        compressors=None,
+        fill_value=np.nan,
+        chunk_key_encoding={"name": "default", "separator": "."},
+        config={"write_empty_chunks": False},
+    )
+    for step, head, query in rows:
+        block = np.s_[step, head, query * t : (query + 1) * t]
+        theirs[block] = expected[block]
+    files = sorted(path.name for path in (store / "logits").glob("c.*"))
+    assert files == sorted(f"c.{s}.{h}.{q}.0" for s, h, q in rows)
+    for name in files:
+        assert (store / "logits" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes()
+
+
+def _one_shard(folder):
+    """A float32 shard of 3 chunks, 2 of them written (`positions`), and its expected bytes
+    (zarr's)."""
+    values = np.arange(2 * 5, dtype="float32").reshape(2, 5) / 7
+    expected = _array(folder / "zarr.zarr", "a", "float32", (3 * 5,), (5,), (3 * 5,))
+    expected[0:5], expected[10:15] = values
+    return values, [0, 2], shard_key(folder / "zarr.zarr" / "a", (0,))
+
+
+def test_a_file_system_without_direct_io_gets_the_same_bytes(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (EINVAL, as tmpfs refuses it), the shard goes through the page
+    cache, the same bytes; the file system is not asked again."""
+    monkeypatch.setattr(shards, "_direct_works", {})
+    tries = []
+
+    def refuse(path, image, size):
+        tries.append(path)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(shards, "_write_direct", refuse)
+    values, positions, expected = _one_shard(tmp_path)
+    for name in ("c.0", "c.1"):
+        write_shard(tmp_path / name, values, positions, 3)
+        assert (tmp_path / name).read_bytes() == expected.read_bytes()
+    assert len(tries) == 1 and direct_io_works(tmp_path) is False
+
+
+def test_other_write_errors_are_raised(tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "_direct_works", {})
+
+    def full(path, image, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shards, "_write_direct", full)
+    values, positions, _ = _one_shard(tmp_path)
+    with pytest.raises(OSError, match="No space"):
+        write_shard(tmp_path / "c.0", values, positions, 3)
+
+
+def test_direct_io_is_used_where_the_file_system_takes_it(tmp_path, monkeypatch):
+    """On this machine's file system (pytest's tmp_path): direct I/O where the platform has it
+    and the file system takes it (told apart by opening a file with O_DIRECT), else the page
+    cache."""
+    monkeypatch.setattr(shards, "_direct_works", {})
+    values, positions, expected = _one_shard(tmp_path)
+    write_shard(tmp_path / "c.0", values, positions, 3)
+    assert (tmp_path / "c.0").read_bytes() == expected.read_bytes()
+    takes_it = False
+    if shards._O_DIRECT:
+        try:
+            os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | shards._O_DIRECT))
+            takes_it = True
+        except OSError:
+            pass
+    assert direct_io_works(tmp_path) is takes_it

@@ -253,9 +253,11 @@ class LogitCapture:
             for frame in range(q.shape[0] // t):
                 q_frame = q[frame * t : (frame + 1) * t, head].float()
                 tile = (q_frame @ k_head.T).mul_(self.scale)  # in place: one T x keys buffer
-                writer.write_row(
-                    step, head, first_frame + frame, tile.half().cpu().numpy(), key_frames
-                )
+                # One (T, T) tile per key frame, each contiguous: the store's chunks as they are
+                # (the layout changes in the cast to float16, one pass on the device).
+                tiles = tile.unflatten(1, (-1, t)).transpose(0, 1)
+                tiles = tiles.to(torch.float16, memory_format=torch.contiguous_format)
+                writer.write_row(step, head, first_frame + frame, tiles.cpu().numpy(), key_frames)
 
     def _reductions(self, q, k, bias=None):
         """key_mass and key_logit_mean [heads, query frames, keys] and entropy [heads, query

@@ -1,29 +1,50 @@
 """Zarr v3 shards written as files, without zarr's codec pipeline.
 
-An attention store writes one shard per pass call of a block and per-key array: the call's key
-frames as the shard's chunks, each chunk's bytes followed by their crc32c, then the shard index
-(per chunk its offset and size, 2^64 - 1 for a chunk not written) and the index's crc32c, as
-zarr's `ShardingCodec(codecs=(BytesCodec(little), Crc32cCodec()), index_codecs=(the same),
+An attention store writes one shard per pass call of a block and per-key array, a token store one
+per row of logits (one query frame of one head and pass): the key frames as the shard's chunks,
+each chunk's bytes followed by their crc32c, then the shard index (per chunk its offset and size,
+2^64 - 1 for a chunk not written) and the index's crc32c, as zarr's
+`ShardingCodec(codecs=(BytesCodec(little), Crc32cCodec()), index_codecs=(the same),
 index_location=end)` lays it out. zarr writes the same bytes (tests/test_shards.py compares them
 file for file) at 40-50 MB/s on one core for this shape, through its event loop, a check of
 every chunk for the fill value and a copy per codec; here the chunks are the visible key frames
-the writer already knows, copied once, checksummed at ~10 GB/s (google-crc32c, zarr's own
-checksum library) and written with one system call: the writer keeps pace with the disk
-(benchmarks/store_child.py). The array's metadata is zarr's own (`create_array`); zarr reads the
-shards back as it wrote them.
+the writer already knows, copied once into the file's image, checksummed at ~10 GB/s
+(google-crc32c, zarr's own checksum library) and written with one system call.
+
+The write bypasses the page cache (O_DIRECT) where the file system takes it: the disk reads the
+image from the writer's memory, so the kernel copies nothing, where a write into the page cache
+costs a core ~0.3-1 s per GB (2 to 4 times the writer's own work: benchmarks/README.md) and the
+cache then fills with a store nobody rereads soon. Elsewhere (tmpfs, some network file systems,
+no O_DIRECT on the platform) the same bytes go through the page cache. The array's metadata is
+zarr's own (`create_array`); zarr reads the shards back as it wrote them.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import mmap
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import google_crc32c
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 _ABSENT = np.iinfo(np.uint64).max  # an index entry of a chunk that was not written
-_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+# What O_DIRECT asks of a write's offset, length and memory: a multiple of the device's logical
+# block size, 512 or 4096 bytes (the page size, which mmap's memory is aligned to).
+_DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0: not on this platform (macOS)
+# SINKSCOPE_DIRECT_IO=0: every shard through the page cache (a file system that takes O_DIRECT
+# and then misbehaves, or a store read back at once from a machine with memory to spare).
+DIRECT_IO_VARIABLE = "SINKSCOPE_DIRECT_IO"
+# Per file system (st_dev), whether O_DIRECT writes work there; learnt at the first shard.
+_direct_works: dict[int, bool] = {}
+_images = threading.local()  # per writer thread, the page-aligned memory of its file images
 
 
 def crc32c(data) -> bytes:
@@ -37,38 +58,102 @@ def shard_key(array: Path, index: Sequence[int], separator: str = "/") -> Path:
     return array / separator.join(["c", *map(str, index)])
 
 
-def write_shard(path: Path, chunks: np.ndarray, positions: Sequence[int], count: int) -> int:
+def _image(size: int) -> np.ndarray:
+    """`size` bytes of page-aligned memory of this thread, kept for its next shard: a fresh
+    buffer per shard would cost its page faults every time."""
+    buffer = getattr(_images, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        _images.buffer = buffer = np.frombuffer(mmap.mmap(-1, size), np.uint8)
+    return buffer[:size]
+
+
+def write_shard(
+    path: Path,
+    chunks: np.ndarray,
+    positions: Sequence[int],
+    count: int,
+    *,
+    checksums: bool = True,
+    direct: bool = True,
+) -> int:
     """Write a shard of `count` chunks along its last axis of which `chunks[i]` (C-contiguous,
     little-endian) is chunk `positions[i]` (ascending) and the others are not written, into the
     existing folder of `path`; returns the bytes written. Nothing to write (no chunk): no file,
-    as zarr leaves an empty shard."""
+    as zarr leaves an empty shard. `checksums=False`: the chunks without their crc32c (an array
+    whose chunk codecs are the bytes codec alone); the index always has its own. `direct`: past
+    the page cache where the file system takes it (the module's docstring)."""
     if len(positions) != len(chunks):
         raise ValueError(f"{len(chunks)} chunks for {len(positions)} positions")
     if not len(positions):
         return 0
     if not chunks.flags.c_contiguous or chunks.dtype.byteorder == ">":
         raise ValueError("shard chunks must be C-contiguous and little-endian")
+    chunk_bytes = chunks[0].nbytes
+    stride = chunk_bytes + 4 * checksums
+    size = len(chunks) * stride + 16 * count + 4
+    padded = -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
+    image = _image(padded)
+    # The file's bytes: each chunk and its checksum, then the index and its checksum.
     index = np.full((count, 2), _ABSENT, dtype="<u8")
-    buffers = []
-    offset = 0
-    for position, chunk in zip(positions, chunks, strict=True):
-        data = chunk.reshape(-1).view(np.uint8)  # google-crc32c takes arrays, not memoryviews
-        buffers += (data, crc32c(data))
-        index[position] = (offset, len(data) + 4)
-        offset += len(data) + 4
+    data = chunks.reshape(len(chunks), -1).view(np.uint8)
+    for slot, (position, chunk) in enumerate(zip(positions, data, strict=True)):
+        offset = slot * stride
+        image[offset : offset + chunk_bytes] = chunk
+        if checksums:
+            image[offset + chunk_bytes : offset + stride] = np.frombuffer(
+                crc32c(image[offset : offset + chunk_bytes]), np.uint8
+            )
+        index[position] = (offset, stride)
+    start = len(chunks) * stride
     encoded = index.reshape(-1).view(np.uint8)
-    buffers += (encoded, crc32c(encoded))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    image[start : start + len(encoded)] = encoded
+    image[start + len(encoded) : size] = np.frombuffer(crc32c(encoded), np.uint8)
+    direct = direct and os.environ.get(DIRECT_IO_VARIABLE, "1") != "0"
+    if direct and _O_DIRECT and _direct_works.get(_device(path), True):
+        try:
+            _write_direct(path, image, size)
+            _direct_works[_device(path)] = True
+            return size
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            _direct_works[_device(path)] = False
+            log.info(
+                "%s: no direct I/O on this file system (%s); writing through the page cache",
+                path.parent,
+                err,
+            )
+    _write_buffered(path, image[:size])
+    return size
+
+
+def _device(path: Path) -> int:
+    return os.stat(path.parent).st_dev
+
+
+def _write_direct(path: Path, image: np.ndarray, size: int) -> None:
+    """The aligned image (its padding beyond `size` too) written past the page cache, the file
+    then cut to `size`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
     try:
-        written = 0
-        for start in range(0, len(buffers), _IOV_MAX):
-            batch = buffers[start : start + _IOV_MAX]
-            expected = sum(len(buffer) for buffer in batch)
-            done = os.writev(fd, batch)
-            while done < expected:  # a short write (signals, full pipes): the rest as bytes
-                rest = b"".join(bytes(buffer) for buffer in batch)[done:]
-                done += os.write(fd, rest)
-            written += expected
+        done = os.write(fd, image)
+        if done != len(image):  # a short direct write: not for aligned whole-file writes
+            raise OSError(errno.EINVAL, f"short direct write ({done} of {len(image)} bytes)")
+        os.ftruncate(fd, size)
     finally:
         os.close(fd)
-    return written
+
+
+def _write_buffered(path: Path, data: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:  # a short write (signals, full pipes): the rest
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def direct_io_works(folder: Path) -> bool | None:
+    """Whether shards written into `folder` went past the page cache (None: none written yet)."""
+    return _direct_works.get(os.stat(folder).st_dev)

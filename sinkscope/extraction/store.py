@@ -1,7 +1,7 @@
 """The token store (docs/DESIGN.md, Contract 1): pre-softmax logits, token-chunked zarr v3.
 
-One background thread writes each store, so the model computes the next tile while the last one is
-compressed and written. The store is built under `<name>.partial` and renamed when complete: a
+One background thread writes each store, so the model computes the next row while the last one is
+written. The store is built under `<name>.partial` and renamed when complete: a
 killed job never leaves a directory that looks whole. Every chunk and every shard index carries a
 crc32c checksum: a changed byte fails its read instead of reducing to different numbers.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import resource
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ from sinkscope.storage import (
     tune_zarr,
 )
 
+from .shards import shard_key, write_shard
+
 log = logging.getLogger(__name__)
 
 LOGITS_DIMS = ("step", "head", "query_token", "key_token")
@@ -44,10 +47,10 @@ PARTIAL_SUFFIX = ".partial"
 
 
 def logits_codec() -> BloscCodec:
-    """The compressor of the logits chunks (followed by a checksum: `logits_compressors`)."""
+    """The compressor token stores written before sinkscope wrote their shards as files had on
+    each logits chunk (`benchmarks/measure.py` builds such stores; they still open)."""
     # Byte shuffle with typesize 2 groups the float16 exponent bytes, which is what compresses
-    # (the mantissas are noise). zstd level 1 compresses as well as 3 (1.09x) and writes ~30%
-    # faster: benchmarks/README.md.
+    # (the mantissas are noise): 1.09x, for most of the writer's time.
     return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2)
 
 
@@ -61,10 +64,11 @@ class ThreadedCrc32cCodec(Crc32cCodec):
         return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
 
 
-def logits_compressors() -> tuple[BloscCodec, Crc32cCodec]:
-    """The bytes -> bytes codecs of each (T, T) logits chunk: blosc, then a crc32c checksum of
-    the compressed bytes, so that any changed byte of a chunk fails its read."""
-    return (logits_codec(), ThreadedCrc32cCodec())
+def logits_compressors() -> tuple[Crc32cCodec, ...]:
+    """The bytes -> bytes codecs of each (T, T) logits chunk: a crc32c checksum, so that any
+    changed byte of a chunk fails its read, and no compression (zstd gave 1.09x on the float16
+    logits for two thirds of the writer's time: benchmarks/README.md)."""
+    return (Crc32cCodec(),)
 
 
 def shard_index_codecs() -> tuple[BytesCodec, Crc32cCodec]:
@@ -82,6 +86,15 @@ def logits_sharding(frame_seq_length: int) -> ShardingCodec:
         index_codecs=shard_index_codecs(),
         index_location="end",
     )
+
+
+def thread_cpu_seconds() -> tuple[float, float]:
+    """This thread's CPU time so far, (user, kernel) seconds: Linux's per-thread rusage, or the
+    thread's whole CPU time as user time where there is none."""
+    if hasattr(resource, "RUSAGE_THREAD"):
+        usage = resource.getrusage(resource.RUSAGE_THREAD)
+        return usage.ru_utime, usage.ru_stime
+    return time.thread_time(), 0.0
 
 
 def partial_path(path: Path) -> Path:
@@ -202,6 +215,10 @@ class _StoreWriter(ClosesOrAborts):
             array[:] = values
         self.bytes_written = 0  # logical bytes of what the writer thread wrote
         self.write_seconds = 0.0  # time the writer thread spent writing them
+        # the writer thread's CPU time in those writes: in user space (checksums, copies) and
+        # in the kernel (the system calls: copying into the page cache)
+        self.write_user_seconds = 0.0
+        self.write_system_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -234,9 +251,12 @@ class _StoreWriter(ClosesOrAborts):
             if self._error is not None:
                 continue  # drain after a failure; the error surfaces in _put/close
             try:
-                started = time.perf_counter()
+                started, (user, system) = time.perf_counter(), thread_cpu_seconds()
                 self.bytes_written += self._write(*item)
                 self.write_seconds += time.perf_counter() - started
+                user_done, system_done = thread_cpu_seconds()
+                self.write_user_seconds += user_done - user
+                self.write_system_seconds += system_done - system
             except BaseException as err:
                 self._error = err
 
@@ -323,9 +343,10 @@ class _StoreWriter(ClosesOrAborts):
 class TokenStoreWriter(_StoreWriter):
     """Writes one layer's logits rows (one query frame x all key tokens) from a background thread.
 
-    Each row is one zarr shard (1, 1, T, N), written by this one writer only; inner (T, T) chunks
-    of keys the query frame cannot see are never written (they read back as NaN). With
-    `tokens=False` only the pooled frame-level mean logits are stored.
+    Each row is one zarr shard (1, 1, T, N) of a (T, T) chunk per key frame, written by this one
+    writer only, as a file (`shards.write_shard`: zarr's bytes without zarr's pipeline); the
+    chunks of key frames the query frame cannot see are never written (they read back as NaN).
+    With `tokens=False` only the pooled frame-level mean logits are stored.
     """
 
     what = "float16 logits"
@@ -339,13 +360,17 @@ class TokenStoreWriter(_StoreWriter):
         if not self.tokens:
             return
         t, n = self.frame_seq_length, self.num_tokens
+        sharding = logits_sharding(t)
+        # What write_shard writes: each chunk followed by its crc32c, or not (a store built
+        # without checksums, as benchmarks/measure.py builds one).
+        self._chunk_checksums = any(isinstance(c, Crc32cCodec) for c in sharding.codecs)
+        if not all(isinstance(c, BytesCodec | Crc32cCodec) for c in sharding.codecs):
+            raise ValueError(f"the logits shards are written as files: no codec {sharding}")
         self.logits = group.create_array(
             "logits",
             shape=(self.num_steps, self.num_heads, n, n),
-            # Shards (1, 1, T, N) of chunks (1, 1, T, T), each chunk and each shard index with a
-            # crc32c checksum.
             chunks=(1, 1, t, n),
-            serializer=logits_sharding(t),
+            serializer=sharding,
             compressors=None,
             dtype="float16",
             fill_value=np.nan,
@@ -354,9 +379,8 @@ class TokenStoreWriter(_StoreWriter):
                 **VARIABLE_ATTRS["logits"],
                 "coordinates": "timestep pass_kind query_frame key_frame",
             },
-            # Only visible tiles are ever written, so zarr need not test each for all-NaN (that
-            # test costs as much as compressing the tile).
-            config={"write_empty_chunks": True},
+            # the row's shard files side by side in the array's folder (c.0.1.5.0)
+            chunk_key_encoding={"name": "default", "separator": "."},
         )
 
     def _coordinates(self) -> list[tuple[str, tuple, np.ndarray]]:
@@ -367,22 +391,31 @@ class TokenStoreWriter(_StoreWriter):
         ]
 
     def _write(
-        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+        self, step: int, head: int, query_frame: int, tiles: np.ndarray, key_frames: np.ndarray
     ) -> int:
-        t = self.frame_seq_length
-        rows = slice(query_frame * t, (query_frame + 1) * t)
-        # Visible key frames only, one contiguous run at a time (two with sink frames); the
-        # tiles in between are never written and read back as NaN.
-        for first, stop, offset in key_frame_runs(key_frames):
-            width = (stop - first) * t
-            self.logits[step, head, rows, first * t : stop * t] = tile[
-                :, offset * t : offset * t + width
-            ]
-        return tile.nbytes
+        order = np.argsort(key_frames, kind="stable")
+        if np.any(order != np.arange(len(order))):
+            tiles, key_frames = tiles[order], key_frames[order]
+        tiles = np.ascontiguousarray(tiles, dtype="<f2")
+        shard = shard_key(self.tmp / "logits", (step, head, query_frame, 0), separator=".")
+        write_shard(
+            shard,
+            tiles,
+            [int(f) for f in key_frames],
+            self.num_frames,
+            checksums=self._chunk_checksums,
+        )
+        return tiles.nbytes
 
     def write_row(
-        self, step: int, head: int, query_frame: int, tile: np.ndarray, key_frames: np.ndarray
+        self, step: int, head: int, query_frame: int, tiles: np.ndarray, key_frames: np.ndarray
     ) -> None:
-        """Queue logits [T, len(key_frames) * T] of one query frame and head against the visible
-        key frames (ascending absolute frames, whole frames)."""
-        self._put((step, head, query_frame, tile, key_frames))
+        """Queue the logits of one query frame and head against each visible key frame: tiles
+        [len(key_frames), T, T] (query token x key token), key frames distinct whole frames."""
+        t = self.frame_seq_length
+        if tiles.shape != (len(key_frames), t, t):
+            raise ValueError(
+                f"{self.path}: logits tiles {tiles.shape} for {len(key_frames)} key frames of "
+                f"{t} tokens (expected {(len(key_frames), t, t)})"
+            )
+        self._put((step, head, query_frame, tiles, np.asarray(key_frames)))
