@@ -1,15 +1,17 @@
 """What the store process's child does for each survey call, at the real geometry, on one CPU
-core: `AttentionStoreWriter.write_call` (the key versions, pooled logits and masses derived from
-the call's rows, each visible key frame's chunk packed) and the writer thread's `_write` (each
-shard's chunks checksummed and written: `extraction/shards.py`), run one after the other on one
-thread into a temporary folder, so that CPU seconds are one core's.
+core: `AttentionStoreWriter.write_prepared` (the key versions derived, the frame-level values
+filed, each visible key frame's chunk packed, of what `prepare_call` made on the model's device:
+not timed) and the writer thread's `_write` (each shard's chunks checksummed and written:
+`extraction/shards.py`), run one after the other on one thread into a temporary folder, so that
+CPU seconds are one core's.
 
 A survey of Wan2.1-T2V-1.3B (30 layers, 12 heads, T = 1560, 21 frames in 7 blocks of 3, 5 passes)
-hands the child 1,050 calls of key_mass and key_logit_mean [12, 3, keys so far] (5.7 GB of
-float32 in all). Printed per precision (`capture.survey_precision`): the bytes written, the
-seconds, and MB/s of store written per CPU second, against the disk of the H100 machine in
-issue 44 (1.0-1.1 GB/s with direct I/O); and zarr's own pipeline writing the same float16
-shards (the array assigned the block's rows), as the writer did before.
+makes 1,050 calls of key_mass and key_logit_mean [12, 3, keys so far] (5.7 GB of float32 in
+all), of which the child gets what the store keeps (1.7 GB at float16). Printed per precision
+(`capture.survey_precision`): the bytes written, the seconds, and MB/s of store written per CPU
+second, against the disk of the H100 machine in issue 44 (1.0-1.1 GB/s with direct I/O); and
+zarr's own pipeline writing the same float16 shards (the array assigned the block's rows), as
+the writer did before.
 
 Run from the repository root: `python benchmarks/store_child.py [--layers 30] [--repeat 3]`
 (a few minutes on 2 CPU cores; `--layers 3` for a quick look). The best of `--repeat`.
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinkscope.extraction.attention_store import KEY_MASS_SCALE, AttentionStoreWriter
+from sinkscope.extraction.attention_store import AttentionStoreWriter, prepare_call
 from sinkscope.extraction.store_process import ArrayRef
 from sinkscope.schedules import BlockPart, ModelCall
 
@@ -44,11 +46,14 @@ def calls(layers: int):
 DISK_MB_PER_S = 1000  # the H100 machine's disk in issue 44 (dd with direct I/O)
 
 
-def call_rows(ring, refs, first, key_frames):
-    mass, logits = (ref.view(ring) for ref in refs)
+def call_rows(ring, refs, first, key_frames, precision):
+    """One survey call as the capture hands it to the child: `prepare_call` of the call's float32
+    rows (done on the model's device, so not timed here)."""
+    mass, logits = (torch.from_numpy(ref.view(ring)) for ref in refs)
     entropy = np.zeros((HEADS, BLOCK), np.float32)
     call = ModelCall("denoise", (BlockPart(first // BLOCK, first, BLOCK, 0, 0),))
-    return call, np.zeros(len(key_frames), bool), mass, entropy, logits
+    prepared = prepare_call(mass, logits, None, T, precision)
+    return call, np.zeros(len(key_frames), bool), entropy, [v.numpy() for v in prepared[:4]]
 
 
 def writer_at(folder: str, precision: str, layer: int) -> AttentionStoreWriter:
@@ -69,42 +74,42 @@ def writer_at(folder: str, precision: str, layer: int) -> AttentionStoreWriter:
 
 
 def through_zarr(writer: AttentionStoreWriter, step, first, key_frames, mass, logits) -> None:
-    """The block's rows spread over every key token (NaN where not visible) and assigned to the
-    sharded arrays, zarr's pipeline choosing the chunks to write: the writer before
-    extraction/shards.py."""
-    scaled = mass * np.float32(KEY_MASS_SCALE)
-    for array, values in ((writer.key_mass, scaled), (writer.key_logits, logits.sum(axis=0))):
+    """The block's rows as stored, spread over every key token (NaN where not visible) and
+    assigned to the sharded arrays, zarr's pipeline choosing the chunks to write: the writer
+    before extraction/shards.py."""
+    for array, values in ((writer.key_mass, mass), (writer.key_logits, logits)):
         rows = np.full((1, *values.shape[:-1], FRAMES * T), np.nan, array.dtype)
         rows[0, ..., : len(key_frames) * T] = values
         array[step : step + 1, ..., first : first + BLOCK, :] = rows
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """This process's (user, kernel) CPU seconds."""
+    """This process's (user, kernel) CPU seconds: zarr's pipeline works in threads of its own."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime, usage.ru_stime
 
 
 def run(way: str, ring, size: int, layers: int) -> tuple[float, float, int, float]:
     """(wall seconds, CPU seconds, bytes on disk, of the CPU seconds those in the kernel) of
-    `layers` layers' calls written `way`."""
+    the child's work on `layers` layers' calls written `way`."""
+    precision = "float16" if way == "zarr" else way
+    wall = user = kernel = 0.0
     with tempfile.TemporaryDirectory() as folder:
-        writers = [
-            writer_at(folder, "float16" if way == "zarr" else way, layer) for layer in range(layers)
-        ]
-        cpu, started = cpu_seconds(), time.perf_counter()
+        writers = [writer_at(folder, precision, layer) for layer in range(layers)]
         for index, (first, key_frames) in enumerate(calls(layers)):
             writer = writers[index // (PASSES * FRAMES // BLOCK)]
             step = index % PASSES
             shape = (HEADS, BLOCK, len(key_frames) * T)
             refs = [ArrayRef(i * size, shape, "float32") for i in (0, 1)]
-            call, anchor, mass, entropy, logits = call_rows(ring, refs, first, key_frames)
+            call, anchor, entropy, prepared = call_rows(ring, refs, first, key_frames, precision)
+            cpu, started = cpu_seconds(), time.perf_counter()
             if way == "zarr":
-                through_zarr(writer, step, first, key_frames, mass, logits)
+                through_zarr(writer, step, first, key_frames, *prepared[:2])
             else:
-                writer.write_call(step, first, call, key_frames, anchor, mass, entropy, logits)
-        wall, (user, kernel) = time.perf_counter() - started, cpu_seconds()
-        user, kernel = user - cpu[0], kernel - cpu[1]
+                writer.write_prepared(step, first, call, key_frames, anchor, entropy, *prepared)
+            done = cpu_seconds()
+            wall += time.perf_counter() - started
+            user, kernel = user + done[0] - cpu[0], kernel + done[1] - cpu[1]
         written = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
         for writer in writers:
             writer.abort()

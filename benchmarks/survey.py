@@ -26,7 +26,7 @@ Two measurements, each in its own subprocess so that peak memories do not mix, a
 - survey: the same rollout with `LogitCapture` and one `AttentionStoreWriter` per layer, set up as
   the extraction job does (`sinkscope.extraction.job.plan_stores` / `extract`, store="attention"),
   timed from the writers' creation until all of them are closed. The capture and the writers are
-  subclasses that only add timers (the hook's time on the model thread, `write_block`'s time
+  subclasses that only add timers (the hook's time on the model thread, `write_prepared`'s time
   including waits on the writers' queues).
 
 Afterwards every attention store is read back and checked: key_mass sums to 1 over the key tokens
@@ -188,14 +188,15 @@ def run_survey(args) -> dict:
             self.calls += layer in self.writers and self._pass[1] in self.step_of_pass
 
     class TimedWriter(AttentionStoreWriter):
-        """AttentionStoreWriter with a timer around write_block (spreading the block's rows onto
-        all key tokens and queueing them, waits on a full queue included)."""
+        """AttentionStoreWriter with a timer around write_prepared (filing the call's frame-level
+        values, packing its key frames' chunks and queueing them, waits on a full queue
+        included)."""
 
         block_seconds = 0.0
 
-        def write_block(self, *block) -> None:
+        def write_prepared(self, *call) -> None:
             started = time.perf_counter()
-            super().write_block(*block)
+            super().write_prepared(*call)
             self.block_seconds += time.perf_counter() - started
 
     model, text = build_model(args)
@@ -455,7 +456,8 @@ def report(args, rollout: dict, survey: dict, check: dict) -> None:
         f"{survey['close_seconds']:.1f} s later)",
         f"     capture hook               {survey['hook_seconds']:8.1f} s  "
         f"(model thread, {survey['hook_calls']} calls of {calls} expected: pooled logits, "
-        f"exact softmax reductions, write_block {survey['block_seconds']:.1f} s incl. queue waits)",
+        f"exact softmax reductions, write_prepared {survey['block_seconds']:.1f} s "
+        "incl. queue waits)",
         f"     model, outside the hook    {model_seconds:8.1f} s  "
         f"({model_seconds / rollout['seconds']:.2f} x the rollout alone)",
         f"     writer threads             {sum(writes):8.1f} s  "

@@ -12,7 +12,7 @@ import xarray as xr
 
 from sinkscope.analysis.reduce import reduce_attention_store, reduce_token_store
 from sinkscope.analysis.stores import open_frame_dataset
-from sinkscope.extraction.attention_store import AttentionStoreWriter
+from sinkscope.extraction.attention_store import AttentionStoreWriter, prepare_call
 from sinkscope.extraction.capture import softmax_reductions
 from sinkscope.extraction.job import extract
 from sinkscope.extraction.store import partial_path
@@ -307,6 +307,56 @@ def test_attention_store_is_small_and_its_disk_bound_holds(tmp_path, sizes, prec
     )
     assert 0 < used <= bound
     assert not partial_path(tmp_path / "s.zarr").exists()
+
+
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_what_a_call_hands_its_store_is_what_numpy_makes_of_its_rows(precision):
+    """prepare_call (run on the capture's device) against numpy on the same float32 rows, loop by
+    loop: the stored mass (scaled by 2^15 and rounded once, or as is), the keys' mean logits
+    (summed over the heads in order, or per head), and per key frame the float64 sums of the
+    mass, of the logits (a mean) and of mass x ||v||, and the mean ||v||."""
+    heads, frames, key_frames, t = 3, 2, 4, 5
+    rng = np.random.default_rng(7)
+    mass = rng.random((heads, frames, key_frames * t), dtype=np.float32) / (key_frames * t)
+    mass[0, 0, :3] = np.float32(2.0**-30)  # tiny masses: float16 would lose them unscaled
+    logits = rng.standard_normal((heads, frames, key_frames * t), dtype=np.float32)
+    norms = rng.random((heads, key_frames * t), dtype=np.float32) + 0.5
+    prepared = prepare_call(
+        torch.from_numpy(mass), torch.from_numpy(logits), torch.from_numpy(norms), t, precision
+    )
+    stored_mass, stored_logits, mass_pooled, logit_pooled, norm_pooled, mass_norm = (
+        value.numpy() for value in prepared
+    )
+    if precision == "float16":
+        assert stored_mass.dtype == np.float16
+        expected = (mass * np.float32(2.0**15)).astype(np.float16)
+        np.testing.assert_array_equal(stored_mass.view(np.uint16), expected.view(np.uint16))
+        assert (stored_mass[0, 0, :3] > 0).all()
+        summed = logits[0].copy()
+        for head in range(1, heads):
+            summed += logits[head]
+        np.testing.assert_array_equal(stored_logits, summed)
+    else:
+        np.testing.assert_array_equal(stored_mass, mass)
+        np.testing.assert_array_equal(stored_logits, logits)
+    for head in range(heads):
+        for frame in range(key_frames):
+            keys = slice(frame * t, (frame + 1) * t)
+            assert norm_pooled[head, frame] == pytest.approx(
+                math.fsum(norms[head, keys].astype(np.float64)) / t, rel=1e-15
+            )
+            for query in range(frames):
+                row = (head, query, keys)
+                assert mass_pooled[head, query, frame] == pytest.approx(
+                    math.fsum(mass[row].astype(np.float64)), rel=1e-15
+                )
+                assert logit_pooled[head, query, frame] == pytest.approx(
+                    math.fsum(logits[row].astype(np.float64)) / t, rel=1e-14
+                )
+                products = (mass[row] * norms[head, keys]).astype(np.float64)  # float32 products
+                assert mass_norm[head, query, frame] == pytest.approx(
+                    math.fsum(products), rel=1e-15
+                )
 
 
 def test_a_float16_survey_agrees_with_the_float32_one(tmp_path):

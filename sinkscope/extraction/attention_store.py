@@ -51,6 +51,58 @@ def key_mass_compressors() -> tuple[BloscCodec, Crc32cCodec]:
     )
 
 
+def head_sum(values: torch.Tensor) -> torch.Tensor:
+    """values [heads, ...] summed over the heads one after the other, in float32: what numpy's
+    sum over a leading axis gives (a float32 store's key_logit_mean.sum(axis=1)), bit for bit,
+    on any device."""
+    total = values[0].float().clone()
+    for head in values[1:]:
+        total += head
+    return total
+
+
+def prepare_call(
+    key_mass: torch.Tensor,
+    key_logit_mean: torch.Tensor,
+    value_norm: torch.Tensor | None,
+    frame_seq_length: int,
+    precision: str,
+) -> tuple:
+    """What an attention store keeps of one pass call's reductions, computed where they lie
+    (on the capture's device: the store process then gets 3.4x fewer bytes, float16, and does
+    no arithmetic). From key_mass and key_logit_mean [heads, query frames, keys] (float32, whole
+    frames of T keys) and value_norm [heads, keys] (or None):
+
+    - key_mass as stored: float32, or float16 of key_mass x KEY_MASS_SCALE (one rounding: the
+      scale is a power of two);
+    - the keys' mean logits as stored: per head (float32 stores) or summed over the heads
+      (`head_sum`, float16 stores);
+    - mass_pooled [heads, query frames, key frames]: the float64 sum of the float32 mass over
+      each key frame's tokens (what the float16 rounding does not reach);
+    - logit_pooled [heads, query frames, key frames]: the mean logit over each key frame's tokens
+      (float64): the frame pair's mean logit over token pairs, (mean q).(mean k);
+    - value_norm_pooled [heads, key frames] and mass_value_norm [heads, query frames, key
+      frames]: each key frame's mean ||v|| and its sum of key_mass x ||v|| (float64 sums of the
+      float32 products), or None without value norms.
+    """
+    t = frame_seq_length
+    mass = key_mass.float()
+    frames_of_mass = mass.unflatten(-1, (-1, t))
+    mass_pooled = frames_of_mass.sum(-1, dtype=torch.float64)
+    logit_pooled = key_logit_mean.float().unflatten(-1, (-1, t)).mean(-1, dtype=torch.float64)
+    value_norm_pooled = mass_value_norm = None
+    if value_norm is not None:
+        norms = value_norm.float().unflatten(-1, (-1, t))
+        value_norm_pooled = norms.mean(-1, dtype=torch.float64)
+        mass_value_norm = (frames_of_mass * norms[:, None]).sum(-1, dtype=torch.float64)
+    if precision == "float16":
+        stored_mass = (mass * KEY_MASS_SCALE).to(torch.float16)
+        stored_logits = head_sum(key_logit_mean)
+    else:
+        stored_mass, stored_logits = mass, key_logit_mean.float()
+    return stored_mass, stored_logits, mass_pooled, logit_pooled, value_norm_pooled, mass_value_norm
+
+
 class AttentionStoreWriter(_StoreWriter):
     """Writes one layer's attention store (docs/DESIGN.md, Contract 4): per pass, head and query
     frame the mean softmax probability of every key token (`key_mass`), the mean row entropy,
@@ -185,40 +237,65 @@ class AttentionStoreWriter(_StoreWriter):
         key_logit_mean: np.ndarray,
         value_norm: np.ndarray | None = None,
     ) -> None:
-        """One pass call's block, whole: `write_block`, and its pooled logits and key versions
-        (`write_pooled`) derived here from what the call saw. `call`: the model call; key_frames
-        (distinct, in any order) and `anchor` (whether a key frame is Rolling Forcing's anchor)
-        per key frame of the rows; `value_norm` [heads, keys]: each key's ||v|| (`write_values`).
+        """One pass call's block from its float32 reductions: `prepare_call` here, then
+        `write_prepared`. `call`: the model call; key_frames (distinct, in any order) and
+        `anchor` (whether a key frame is Rolling Forcing's anchor) per key frame of the rows;
+        key_mass and key_logit_mean [heads, query frames, len(key_frames) * T], entropy [heads,
+        query frames]; `value_norm` [heads, keys]: each key's ||v||. The capture prepares on its
+        device instead and calls `write_prepared` itself."""
+        prepared = prepare_call(
+            *(
+                None if v is None else torch.from_numpy(np.asarray(v, np.float32))
+                for v in (key_mass, key_logit_mean, value_norm)
+            ),
+            self.frame_seq_length,
+            self.precision,
+        )
+        self.write_prepared(
+            step,
+            first_query_frame,
+            call,
+            key_frames,
+            anchor,
+            np.asarray(entropy, np.float32),
+            *(None if v is None else v.numpy() for v in prepared),
+        )
 
-        The pooled logits are the mean of key_logit_mean over each key frame's T tokens (float64):
-        the mean logit over the frame pair's token pairs, which a token store computes as
-        (mean q).(mean k)."""
-        t = self.frame_seq_length
-        heads, frames, _ = key_logit_mean.shape
-        pooled = key_logit_mean.reshape(heads, frames, -1, t).mean(axis=-1, dtype=np.float64)
-        versions = key_versions(call, key_frames, anchor).astype(np.int8)
-        self.write_pooled(step, first_query_frame, key_frames, pooled, versions)
-        if value_norm is not None:
-            self.write_values(step, first_query_frame, key_frames, key_mass, value_norm)
-        self.write_block(step, first_query_frame, key_frames, key_mass, entropy, key_logit_mean)
-
-    def write_values(
+    def write_prepared(
         self,
         step: int,
         first_query_frame: int,
+        call: ModelCall,
         key_frames: np.ndarray,
+        anchor: np.ndarray,
+        entropy: np.ndarray,
         key_mass: np.ndarray,
-        value_norm: np.ndarray,
+        key_logits: np.ndarray,
+        mass_pooled: np.ndarray,
+        logit_pooled: np.ndarray,
+        value_norm_pooled: np.ndarray | None = None,
+        mass_value_norm: np.ndarray | None = None,
     ) -> None:
-        """The value side of one pass call: per key frame, the mean ||v|| of its tokens (the
-        copy of the frame the call saw) and the sum over its tokens of key_mass x ||v|| (sums in
-        float64): how much of the attention output's size the frame can account for (Kobayashi et
-        al.'s norm-based view of attention, ||p v|| = p ||v||). key_mass [heads, query frames,
-        keys] and value_norm [heads, keys] in the keys' order, whole frames of `key_frames`."""
-        t = self.frame_seq_length
-        heads, frames, _ = key_mass.shape
-        norms = np.asarray(value_norm, np.float32).reshape(heads, -1, t)
-        weighted = np.asarray(key_mass, np.float32).reshape(heads, frames, -1, t) * norms[:, None]
+        """One pass call's block as `prepare_call` made it (its arrays in that order, after the
+        call's key frames, anchors and entropy [heads, query frames]): the key versions derived,
+        the frame-level values filed, each visible key frame's chunk of each shard packed and
+        queued (the key frames not visible have none)."""
+        versions = key_versions(call, key_frames, anchor).astype(np.int8)
+        self.write_pooled(step, first_query_frame, key_frames, logit_pooled, versions)
+        if value_norm_pooled is not None:
+            self._file_values(
+                step, first_query_frame, key_frames, value_norm_pooled, mass_value_norm
+            )
+        self._file_block(
+            step, first_query_frame, key_frames, entropy, key_mass, key_logits, mass_pooled
+        )
+
+    def _file_values(self, step, first_query_frame, key_frames, value_norm_pooled, mass_value_norm):
+        """The value side of one pass call, per key frame (`prepare_call`): the mean ||v|| of its
+        tokens (the copy of the frame the call saw) and the sum over its tokens of key_mass x
+        ||v||: how much of the attention output's size the frame can account for (Kobayashi et
+        al.'s norm-based view of attention, ||p v|| = p ||v||)."""
+        frames = mass_value_norm.shape[1]
         if self.value_frames is None:
             shape = (self.num_steps, self.num_heads, self.num_frames, self.num_frames)
             self.value_frames = {
@@ -226,12 +303,10 @@ class AttentionStoreWriter(_StoreWriter):
             }
         queries = slice(first_query_frame, first_query_frame + frames)
         # Index through views, as write_pooled does.
-        self.value_frames["value_norm"][step][:, queries][:, :, key_frames] = norms.mean(
-            axis=-1, dtype=np.float64
-        )[:, None]
-        self.value_frames["mass_value_norm"][step][:, queries][:, :, key_frames] = weighted.sum(
-            axis=-1, dtype=np.float64
-        )
+        self.value_frames["value_norm"][step][:, queries][:, :, key_frames] = value_norm_pooled[
+            :, None
+        ]
+        self.value_frames["mass_value_norm"][step][:, queries][:, :, key_frames] = mass_value_norm
 
     def write_block(
         self,
@@ -242,12 +317,35 @@ class AttentionStoreWriter(_StoreWriter):
         entropy: np.ndarray,
         key_logit_mean: np.ndarray,
     ) -> None:
-        """key_mass and key_logit_mean [heads, query frames, len(key_frames) * T] against the
-        visible key frames (distinct absolute frames, whole frames, in any order) and entropy
-        [heads, query frames] of one pass call; each visible key frame's chunk of each shard is
-        packed and queued (the key frames not visible have none)."""
+        """The key side alone of one pass call (no pooled logits, versions or values): key_mass
+        and key_logit_mean [heads, query frames, len(key_frames) * T] in float32 against the
+        visible key frames (distinct absolute frames, whole frames, in any order), entropy
+        [heads, query frames]."""
+        stored_mass, stored_logits, mass_pooled, *_ = prepare_call(
+            torch.from_numpy(np.asarray(key_mass, np.float32)),
+            torch.from_numpy(np.asarray(key_logit_mean, np.float32)),
+            None,
+            self.frame_seq_length,
+            self.precision,
+        )
+        self._file_block(
+            step,
+            first_query_frame,
+            key_frames,
+            np.asarray(entropy, np.float32),
+            stored_mass.numpy(),
+            stored_logits.numpy(),
+            mass_pooled.numpy(),
+        )
+
+    def _file_block(
+        self, step, first_query_frame, key_frames, entropy, key_mass, key_logits, mass_pooled
+    ) -> None:
+        """Each visible key frame's chunk of each shard of `key_mass` and `key_logits` as they
+        are stored (`prepare_call`), copied into the shard layout and queued; the entropy and
+        the pooled mass filed."""
         t = self.frame_seq_length
-        heads, frames, _ = key_mass.shape
+        frames = key_mass.shape[-2]
         runs = sorted(key_frame_runs(key_frames))
         # each visible key frame (ascending) and where its tokens lie in the rows
         frame_offsets = [
@@ -255,42 +353,22 @@ class AttentionStoreWriter(_StoreWriter):
             for first, stop, offset in runs
             for frame in range(first, stop)
         ]
-        key_mass = np.asarray(key_mass, np.float32)
         queries = slice(first_query_frame, first_query_frame + frames)
         # Index through views, as write_pooled does.
-        self.mass_pooled[step][:, queries][:, :, key_frames] = key_mass.reshape(
-            heads, frames, -1, t
-        ).sum(axis=-1, dtype=np.float64)
-        scale = np.float32(1.0)
-        if self.precision == "float16":
-            # Both exact: a power of two (applied as each chunk is rounded to float16), and the
-            # heads summed in order as numpy sums an axis that is not the last (what a float32
-            # store's key_logit_mean.sum(axis=1) gives).
-            scale = np.float32(KEY_MASS_SCALE)
-            key_logit_mean = np.asarray(key_logit_mean, np.float32).sum(axis=0)
+        self.mass_pooled[step][:, queries][:, :, key_frames] = mass_pooled
         fpb = self.frames_per_block
         shards = frames // fpb
         packed = []
-        for values, factor in ((key_mass, scale), (key_logit_mean, np.float32(1.0))):
-            # Each visible key frame's chunk of each shard, written once (scaled and rounded on
-            # the way) in the bytes zarr stores it as; invisible key frames have no chunk.
-            dtype = self.precision if values is key_mass else "float32"
+        for values in (key_mass, key_logits):
             lead = values.shape[:-2]  # (heads,), or () for the head sums
-            chunks = self._new_rows((shards, len(frame_offsets), 1, *lead, fpb, t), dtype)
+            chunks = self._new_rows((shards, len(frame_offsets), 1, *lead, fpb, t), values.dtype)
             for shard in range(shards):
                 rows = values[..., shard * fpb : (shard + 1) * fpb, :]
                 index = 0
                 for first, stop, offset in runs:  # a run of key frames in one strided copy
                     run = rows[..., offset * t : (offset + stop - first) * t]
                     run = np.moveaxis(run.reshape(*run.shape[:-1], stop - first, t), -2, 0)
-                    target = chunks[shard, index : index + stop - first, 0]
-                    if dtype == "float16":
-                        # torch rounds to float16 as numpy does (to nearest even, bit for bit)
-                        # at ~30x its speed (F16C): numpy's cast was most of the writer's time.
-                        scaled = torch.from_numpy(np.multiply(run, factor))
-                        torch.from_numpy(target).copy_(scaled)
-                    else:
-                        np.copyto(target, run)
+                    np.copyto(chunks[shard, index : index + stop - first, 0], run)
                     index += stop - first
             packed.append(chunks)
         self.entropy[step, :, queries] = entropy

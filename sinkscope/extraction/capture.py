@@ -26,7 +26,7 @@ from sinkscope.schedules import BlockPart, ModelCall, key_versions
 from sinkscope.wan.model import VisibleKeys
 
 from . import fused_softmax
-from .attention_store import AttentionStoreWriter, SlotStoreWriter
+from .attention_store import AttentionStoreWriter, SlotStoreWriter, prepare_call
 from .store import TokenStoreWriter
 
 # Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
@@ -120,7 +120,7 @@ def for_writer(writer, *values: torch.Tensor) -> tuple:
     arrays on the host."""
     if getattr(writer, "takes_tensors", False):
         return values
-    return tuple(value.cpu().numpy() for value in values)
+    return tuple(None if value is None else value.cpu().numpy() for value in values)
 
 
 class LogitCapture:
@@ -225,11 +225,16 @@ class LogitCapture:
             # logits itself: a survey call launches the reductions and hands them over, no more
             # (the sorting, gathering and pooling done here before were a quarter of a GPU
             # survey's kernel launches, all on the thread that feeds the GPU).
+            # What the store keeps (float16, the float64 sums per key frame) is made here, on
+            # the device: the store process gets what it writes, no more (`prepare_call`).
             key_mass, entropy, key_logit_mean = self._reductions(q, k)
-            tensors = [slot_frames, anchor, key_mass, entropy, key_logit_mean]
-            if value_norm is not None:
-                tensors.append(value_norm)
-            writer.write_call(step, first_frame, call, *for_writer(writer, *tensors))
+            prepared = prepare_call(key_mass, key_logit_mean, value_norm, t, writer.precision)
+            writer.write_prepared(
+                step,
+                first_frame,
+                call,
+                *for_writer(writer, slot_frames, anchor, entropy, *prepared),
+            )
             return
         order = torch.argsort(slot_frames)
         key_frames = slot_frames[order]

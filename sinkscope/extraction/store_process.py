@@ -392,6 +392,7 @@ class RemoteWriter(ClosesOrAborts):
         self.store_kind = writer_class.store_kind
         self.frame_seq_length = options["frame_seq_length"]
         self.tokens = options.get("tokens", True)
+        self.precision = options.get("precision", "float32")  # an attention store's
         self.write_seconds = 0.0
         self.bytes_written = 0
         self._closed = False
