@@ -243,6 +243,12 @@ class AttentionStoreWriter(_StoreWriter):
         key_mass and key_logit_mean [heads, query frames, len(key_frames) * T], entropy [heads,
         query frames]; `value_norm` [heads, keys]: each key's ||v||. The capture prepares on its
         device instead and calls `write_prepared` itself."""
+        prepared = self._prepare_on_host(key_mass, key_logit_mean, value_norm)
+        entropy = np.asarray(entropy, np.float32)
+        self.write_prepared(step, first_query_frame, call, key_frames, anchor, entropy, *prepared)
+
+    def _prepare_on_host(self, key_mass, key_logit_mean, value_norm=None) -> list:
+        """`prepare_call` of float32 arrays on the host, as numpy arrays (None where None)."""
         prepared = prepare_call(
             *(
                 None if v is None else torch.from_numpy(np.asarray(v, np.float32))
@@ -251,15 +257,7 @@ class AttentionStoreWriter(_StoreWriter):
             self.frame_seq_length,
             self.precision,
         )
-        self.write_prepared(
-            step,
-            first_query_frame,
-            call,
-            key_frames,
-            anchor,
-            np.asarray(entropy, np.float32),
-            *(None if v is None else v.numpy() for v in prepared),
-        )
+        return [None if v is None else v.numpy() for v in prepared]
 
     def write_prepared(
         self,
@@ -321,21 +319,12 @@ class AttentionStoreWriter(_StoreWriter):
         and key_logit_mean [heads, query frames, len(key_frames) * T] in float32 against the
         visible key frames (distinct absolute frames, whole frames, in any order), entropy
         [heads, query frames]."""
-        stored_mass, stored_logits, mass_pooled, *_ = prepare_call(
-            torch.from_numpy(np.asarray(key_mass, np.float32)),
-            torch.from_numpy(np.asarray(key_logit_mean, np.float32)),
-            None,
-            self.frame_seq_length,
-            self.precision,
+        stored_mass, stored_logits, mass_pooled, *_ = self._prepare_on_host(
+            key_mass, key_logit_mean
         )
+        entropy = np.asarray(entropy, np.float32)
         self._file_block(
-            step,
-            first_query_frame,
-            key_frames,
-            np.asarray(entropy, np.float32),
-            stored_mass.numpy(),
-            stored_logits.numpy(),
-            mass_pooled.numpy(),
+            step, first_query_frame, key_frames, entropy, stored_mass, stored_logits, mass_pooled
         )
 
     def _file_block(
