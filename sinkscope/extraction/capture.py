@@ -221,12 +221,11 @@ class LogitCapture:
         slot_frames = key_tokens[::t] // t
         anchor = visible.labels(t)[1][::t] == KEY_KIND["anchor"]
         if writer.store_kind == "attention":
-            # The writer files the keys in slot order and derives the versions and the pooled
-            # logits itself: a survey call launches the reductions and hands them over, no more
-            # (the sorting, gathering and pooling done here before were a quarter of a GPU
-            # survey's kernel launches, all on the thread that feeds the GPU).
-            # What the store keeps (float16, the float64 sums per key frame) is made here, on
-            # the device: the store process gets what it writes, no more (`prepare_call`).
+            # The writer files the keys in slot order and derives their versions itself (the
+            # sorting and gathering done here once were a quarter of a GPU survey's kernel
+            # launches, all on the thread that feeds the GPU). What the store keeps (float16,
+            # the float64 sums per key frame: a few launches) is made here, on the device, so
+            # the store process gets what it writes, no more (`prepare_call`).
             key_mass, entropy, key_logit_mean = self._reductions(q, k)
             prepared = prepare_call(key_mass, key_logit_mean, value_norm, t, writer.precision)
             writer.write_prepared(

@@ -108,16 +108,17 @@ def write_shard(
     encoded = index.reshape(-1).view(np.uint8)
     image[start : start + len(encoded)] = encoded
     image[start + len(encoded) : size] = np.frombuffer(crc32c(encoded), np.uint8)
-    direct = direct and os.environ.get(DIRECT_IO_VARIABLE, "1") != "0"
-    if direct and _O_DIRECT and _direct_works.get(_device(path), True):
+    direct = direct and _O_DIRECT and os.environ.get(DIRECT_IO_VARIABLE, "1") != "0"
+    device = os.stat(path.parent).st_dev if direct else None
+    if direct and _direct_works.get(device, True):
         try:
             _write_direct(path, image, size)
-            _direct_works[_device(path)] = True
+            _direct_works[device] = True
             return size
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-            _direct_works[_device(path)] = False
+            _direct_works[device] = False
             log.info(
                 "%s: no direct I/O on this file system (%s); writing through the page cache",
                 path.parent,
@@ -125,10 +126,6 @@ def write_shard(
             )
     _write_buffered(path, image[:size])
     return size
-
-
-def _device(path: Path) -> int:
-    return os.stat(path.parent).st_dev
 
 
 def _write_direct(path: Path, image: np.ndarray, size: int) -> None:

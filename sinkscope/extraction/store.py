@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from sinkscope.schedules import UNSEEN_VERSION
 from sinkscope.storage import (
@@ -44,14 +44,6 @@ LOGITS_DIMS = ("step", "head", "query_token", "key_token")
 POOLED_DIMS = ("step", "head", "pooled_query_frame", "pooled_key_frame")
 KEY_MASS_DIMS = ("step", "head", "query_frame", "key_token")
 PARTIAL_SUFFIX = ".partial"
-
-
-def logits_codec() -> BloscCodec:
-    """The compressor token stores written before sinkscope wrote their shards as files had on
-    each logits chunk (`benchmarks/measure.py` builds such stores; they still open)."""
-    # Byte shuffle with typesize 2 groups the float16 exponent bytes, which is what compresses
-    # (the mantissas are noise): 1.09x, for most of the writer's time.
-    return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2)
 
 
 class ThreadedCrc32cCodec(Crc32cCodec):
