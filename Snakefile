@@ -33,6 +33,7 @@ include: "rules/figures.smk"
 include: "rules/export.smk"
 include: "rules/closed_loop.smk"
 include: "rules/videos.smk"
+include: "rules/explorer.smk"
 
 
 # On a cluster these run in the main Snakemake process: seconds each, not worth a queue slot.
@@ -44,6 +45,7 @@ localrules:
     figures,
     closed_loop_summary,
     video_summary,
+    explorer,
 
 
 # Every output a user opens is a target, so a plain rerun restores whatever is missing.
@@ -112,3 +114,5 @@ rule all:
             for checkpoint, prompt in VIDEO_RUNS
             for figure in VIDEO_FIGURES
         ],
+        # one page to walk all of it (rule explorer)
+        "results/explorer",

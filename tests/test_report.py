@@ -251,6 +251,8 @@ def test_report_describes_the_workflow(demo_report):
     assert plain_text(first_line("workflow")) in description
     assert f"checkpoints {', '.join(CONFIG['checkpoints'])}" in description
     assert "System Message" not in description
+    # the explorer, a folder a one-file report cannot hold, is linked from the working directory
+    assert 'href="results/explorer/index.html"' in embedded(page, "workflow_desc")
 
 
 def test_every_caption_file_is_used():

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sinkscope.explorer_sizes import explorer_bytes, run_bytes
 from sinkscope.frames import (
     attention_chunk_frames,
     attention_store_disk_bytes,
@@ -24,6 +25,7 @@ from .entries import (
     closed_loop_rollouts,
     closed_loop_runs,
     export_layers,
+    frame_layers,
     survey_layers,
     survey_video_runs,
     token_layers,
@@ -147,6 +149,29 @@ def storage_plan(config: dict) -> list[Family]:
     return [family for family in (tokens, attention, loop, exports) if family.jobs]
 
 
+def explorer_estimate(config: dict) -> int:
+    """About what rule explorer writes to results/explorer/ (`explorer_sizes`): every run's
+    frame layers, the spatial maps where the layers are surveyed, the closed loops' per-frame
+    tables; the videos are links to results/videos/."""
+    layers, surveyed = frame_layers(config), bool(survey_layers(config))
+    height, width = config["video"]["latent_height"], config["video"]["latent_width"]
+    runs = 0.0
+    for name in config["checkpoints"]:
+        g = store_geometry(config, name)
+        runs += len(config["prompts"]) * run_bytes(
+            layers=len(layers),
+            heads=g.num_heads,
+            passes=g.num_passes,
+            block_sizes=list(g.sizes),
+            token_grid=(height // 2, width // 2) if surveyed else None,
+        )
+    frames = 0
+    if closed_loop_policies(config):
+        rollouts = len(closed_loop_rollouts(config)) * len(closed_loop_runs(config))
+        frames = rollouts * config["closed_loop"]["num_frames"]
+    return explorer_bytes(runs, frames)
+
+
 def free_bytes(folder: str) -> tuple[Path, int]:
     """Free bytes on the filesystem of `folder` (its nearest existing parent)."""
     path = Path(folder).absolute()
@@ -186,6 +211,10 @@ def format_plan(config: dict) -> str:
             f"  default target: {_size(total)}; {_size(free)} free on {where} ({verdict}); each "
             "job claims its share before writing, so jobs running side by side cannot overbook"
         )
+    lines.append(
+        f"  attention explorer (estimate): about {_size(explorer_estimate(config))} in "
+        "results/explorer/ (the videos linked, not copied)"
+    )
     gpu = _largest_gpu_job(config)
     if gpu is not None:
         job, parts = gpu
