@@ -197,7 +197,13 @@ def browser():
             pytest.fail(message)
         pytest.skip(message)
     options = Options()
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1900"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1900",
+    ):
         options.add_argument(argument)
     options.binary_location = CHROMIUM[0]
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
