@@ -236,11 +236,14 @@ def surveyed_runs(
 # closed loops
 
 
-def cache_contents(path: str | os.PathLike, first_frames: Sequence[int]) -> list[list[list]]:
+def cache_contents(
+    path: str | os.PathLike, first_frames: Sequence[int]
+) -> tuple[list[list[list]], dict[str, str]]:
     """Per block (its first query frame in `first_frames`), what the cache held at the first
     captured pass for head 0: [key frame, slot kind, share of the frame's tokens held], from a
-    store over the cache's slots (Contract 4, `key_axis: slot`). Reads those query frames only:
-    linear in the video's length."""
+    store over the cache's slots (Contract 4, `key_axis: slot`); and the slot kinds' names by
+    code (`flag_values`, `flag_meanings`). Reads those query frames only: linear in the
+    video's length."""
     store = open_attention_store(path)
     tokens = int(store.attrs["frame_seq_length"])
     picked = {"step": 0, "head": 0, "query_frame": list(first_frames)}
@@ -252,22 +255,17 @@ def cache_contents(path: str | os.PathLike, first_frames: Sequence[int]) -> list
         pairs, counts = np.unique(
             np.stack([block_frames[held], block_kinds[held]]), axis=1, return_counts=True
         )
+        shares = significant(counts / tokens)
         contents.append(
             [
-                [int(frame), int(kind), float(significant([count / tokens])[0])]
-                for (frame, kind), count in zip(pairs.T, counts, strict=True)
+                [int(frame), int(kind), float(share)]
+                for (frame, kind), share in zip(pairs.T, shares, strict=True)
             ]
         )
-    return contents
-
-
-def slot_kind_names(path: str | os.PathLike) -> dict[str, str]:
-    """Slot kind code -> name (the store's `flag_values` and `flag_meanings`)."""
-    store = open_attention_store(path)
     attrs = store["slot_kind"].attrs
     values = np.atleast_1d(attrs.get("flag_values", []))
     meanings = str(attrs.get("flag_meanings", "")).split()
-    return {str(int(v)): name for v, name in zip(values, meanings, strict=False)}
+    return contents, {str(int(v)): name for v, name in zip(values, meanings, strict=False)}
 
 
 def _per_latent_frame(rows: pd.DataFrame, column: str, frames: np.ndarray) -> list:
@@ -323,9 +321,9 @@ def closed_loop_entry(
                 data["sink_share"] = numbers(share.reindex(rows["block"]).to_numpy(dtype=float))
         if rollout in slot_stores:
             starts = rows.groupby("block")["frame"].min().sort_index()
-            contents = cache_contents(slot_stores[rollout], starts.to_numpy())
+            contents, names = cache_contents(slot_stores[rollout], starts.to_numpy())
             cached[rollout] = dict(zip(_ints(starts.index), contents, strict=True))
-            kind_names.update(slot_kind_names(slot_stores[rollout]))
+            kind_names.update(names)
         video = None
         if rollout in videos:
             video = f"videos/{checkpoint}/{prompt}/{rollout}.mp4"

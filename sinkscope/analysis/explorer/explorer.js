@@ -305,7 +305,7 @@ async function drawHead() {
     return label;
   }));
   const frames = [...Array(F).keys()];
-  const colorbar = { title: { text: S.labels.prob_mass, side: "right" },
+  const colorbar = { title: { text: S.labels.prob_mass, side: "right" }, tickformat: "~g",
     ...(scale.log ? logTicks(scale) : {}) };
   Plotly.react("frame-map", [{
     type: "heatmap", x: frames, y: frames, z: shown, text, zmin: scale.zmin, zmax: scale.zmax,
@@ -332,7 +332,7 @@ async function drawHead() {
   }], {
     title: { text: `Query block ${state.block}: mass per key frame (Fig. 4's profile)`, font: { size: 13 } },
     xaxis: { title: { text: S.labels.key_frame }, range: [-0.5, F - 0.5] },
-    yaxis: { title: { text: S.labels.profile }, rangemode: "tozero" },
+    yaxis: { title: { text: S.labels.profile }, rangemode: "tozero", tickformat: "~g" },
     shapes: [{ type: "rect", xref: "x", yref: "paper", x0: rows[0] - 0.5,
       x1: rows[rows.length - 1] + 0.5, y0: 0, y1: 1, fillcolor: "#d62728", opacity: 0.08,
       line: { width: 0 } }],
@@ -373,8 +373,10 @@ async function drawHead() {
     }
     const pool = chunk.spatial_pool > 1 ? ` (cells of ${chunk.spatial_pool}×${chunk.spatial_pool} tokens)` : "";
     Plotly.react("spatial", [{
-      type: "heatmap", z: image, colorscale: S.scales.probability, zmin: 0,
-      colorbar: { title: { text: S.labels.token_multiple, side: "right" } },
+      // as survey_spatial: linear from 0 to the largest value, at least 1 (the uniform share)
+      type: "heatmap", z: image, colorscale: S.scales.probability, zauto: false, zmin: 0,
+      zmax: Math.max(...image.flat().filter((v) => v !== null), 1),
+      colorbar: { title: { text: S.labels.token_multiple, side: "right" }, tickformat: "~g" },
       hovertemplate: "row %{y}, column %{x}: ×%{z:.3g}<extra></extra>",
     }], {
       title: { text: `Where the last block's mass lands in frame 0${pool}`, font: { size: 13 } },
@@ -477,7 +479,7 @@ async function drawLoop() {
     shapes: [], annotations: [] };
   panels.forEach(([, label], p) => {
     layout[p === 0 ? "yaxis" : "yaxis" + (p + 1)] = { title: { text: label, font: { size: 11 } },
-      nticks: 4 };
+      nticks: 4, tickformat: "~g" };
   });
   layout["xaxis"] = { title: { text: "latent frame" } };
   l.rollouts.forEach((r, i) => {
