@@ -364,3 +364,64 @@ def test_the_index_is_json_a_script_element_can_hold():
     assert "</" not in text
     assert json.loads(text) == {"a": "</script><b>", "n": 1.5}
     assert not math.isnan(json.loads(explorer_page._json({"x": 1.0}))["x"])
+
+
+def test_a_thousand_frame_closed_loop_pages_its_caches_per_block(monkeypatch):
+    """1,002 latent frames (334 blocks of 3), full cache and window B=12: the per-frame series
+    are linear in the frames, and the caches' contents come in files of 32 blocks each, so the
+    page never loads (nor the folder holds) anything F x F."""
+    frames = np.arange(1002)
+    rows = []
+    for policy, budget, capacity in (("full", pd.NA, pd.NA), ("window", 12, 12)):
+        rows.append(
+            pd.DataFrame(
+                {
+                    "checkpoint": "c",
+                    "prompt": "p",
+                    "policy": policy,
+                    "budget": budget,
+                    "sink_frames": 0,
+                    "recent_frames": 0,
+                    "capacity": capacity,
+                    "jitter": 0.0,
+                    "bias": 1.0,
+                    "frame": frames,
+                    "block": frames // 3,
+                    "rel_l2": np.where(policy == "full", np.nan, 0.01),
+                    "cosine": np.nan,
+                    "sink_distance": 1.0,
+                }
+            )
+        )
+    deviation = pd.concat(rows, ignore_index=True)
+    asked = []
+
+    def contents(path, first_frames):
+        asked.append((path, list(first_frames)))
+        # the window's 12 newest frames at each block's first query frame
+        held = [[[f, 1, 1.0] for f in range(max(0, s + 3 - 12), s + 3)] for s in first_frames]
+        return held, {"1": "recent"}
+
+    monkeypatch.setattr(explorer_data, "cache_contents", contents)
+    entry, chunks, _ = explorer_data.closed_loop_entry(
+        "c",
+        "p",
+        deviation,
+        blocks=None,
+        metrics=None,
+        slot_stores={"window": "window/layer0.zarr"},
+        videos={},
+    )
+    assert asked == [("window/layer0.zarr", list(range(0, 1002, 3)))]
+    names = [chunk.name for chunk in chunks]
+    assert names == ["closed_loop/c/p"] + [f"closed_loop/c/p/cache{k}" for k in range(11)]
+    series = json.dumps(chunks[0].payload)
+    assert 1002 * 20 < len(series) < 1002 * 2 * 120  # linear: two rollouts' frames
+    for k, chunk in enumerate(chunks[1:]):
+        blocks = [int(b) for b in chunk.payload["window"]]
+        assert blocks == list(range(32 * k, min(32 * (k + 1), 334)))
+    last = chunks[-1].payload["window"]["333"]
+    assert [frame for frame, _, _ in last] == list(range(990, 1002))
+    assert entry["cached"] == ["window"] and entry["cache_page_blocks"] == 32
+    assert entry["rollouts"][1]["evicting_from"] == 12  # the block 12..14 sees 15 > 12 frames
+    assert entry["shown_pixel"][:3] == [0, 4, 8] and entry["shown_pixel"][-1] == 4 * 1001
