@@ -6,11 +6,13 @@
 
 rule explorer:
     input:
+        # the surveyed layers (every pass of capture.passes), else the token layers: a page
+        # walks layers that share their passes
         frames=expand(
             "results/frames/{checkpoint}/{prompt}/layer{layer}.zarr",
             checkpoint=CHECKPOINTS,
             prompt=PROMPTS,
-            layer=LAYERS,
+            layer=SURVEY_LAYERS or LAYERS,
         ),
         attention=expand(
             "results/attention/{checkpoint}/{prompt}/layer{layer}.zarr",

@@ -400,7 +400,7 @@ def test_the_long_video_demo_runs_without_a_reference(demo_run, tmp_path):
     """examples/demo/long_video.yaml, shortened to 21 frames: the position policies and the
     window family rolled out without a full-cache rollout, captured over their caches' slots,
     their diagnostics in blocks.csv, the deviation empty, the collapse figure drawn; nothing
-    else of the demo reruns."""
+    else of the demo reruns but the explorer."""
     root = demo_copy(demo_run, tmp_path / "long")
     (root / "examples/demo").mkdir(parents=True, exist_ok=True)
     example = (REPO / "examples/demo/long_video.yaml").read_text()
@@ -408,7 +408,8 @@ def test_the_long_video_demo_runs_without_a_reference(demo_run, tmp_path):
     (root / "short.yaml").write_text("closed_loop: {num_frames: 21}\n")
     args = ("--configfile", "examples/demo/long_video.yaml", "short.yaml")
     jobs = {rule for rule, _ in planned_jobs(root, *args)}
-    assert jobs == {"closed_loop", "closed_loop_summary", "all"}
+    # the explorer shows the closed loop too
+    assert jobs == {"closed_loop", "closed_loop_summary", "explorer", "all"}
     folder = root / "results/closed_loop/demo_a/eagle"
     demo_full = (folder / "full.safetensors").stat().st_mtime_ns  # the demo's, left as it was
     snakemake(root, *args)

@@ -88,6 +88,7 @@ def test_the_rerun_after_the_fix_runs_only_what_is_missing(keep_going):
         "policies",
         "figures",
         "summary",
+        "explorer",
         "all",
     }
     assert [p.stat().st_mtime_ns for p in outputs_of(workdir, "mine")] == state["mine_mtimes"]
