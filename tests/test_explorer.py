@@ -241,6 +241,19 @@ def click_cell(driver, plot: str, x: float, y: float) -> None:
     ).click().perform()
 
 
+def click_head(driver, layer: int, head: int) -> dict[str, str]:
+    """Click (head, layer) in the layer x head map; the numbers the page then shows."""
+    click_cell(driver, "overview", head, layer)
+    wait_for(
+        driver,
+        f"document.getElementById('head-title').textContent.startsWith('L{layer}H{head}')",
+    )
+    return {
+        name: driver.find_element("id", f"readout-{name}").text
+        for name in ("class", "first", "multiple", "own", "entropy")
+    }
+
+
 def shot(driver, name: str) -> None:
     if SCREENSHOTS:
         Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
@@ -283,9 +296,7 @@ def test_the_demo_page_in_chromium(demo_run):
 
         # a click on L2H3 in the layer x head map: its own-block mass, as the CSV and the frame
         # dataset have it
-        click_cell(driver, "overview", 3, 2)
-        wait_for(driver, "document.getElementById('head-title').textContent.startsWith('L2H3')")
-        own = driver.find_element("id", "readout-own").text
+        own = click_head(driver, 2, 3)["own"]
         assert own == csv_text(results, "demo_a", "eagle", 2, 3, "recent_mass")
         profile, rows, _ = last_block_profile(results, "demo_a", "eagle", 2, 3)
         assert float(own) == pytest.approx(profile[rows].sum(), rel=5e-6)
@@ -293,13 +304,11 @@ def test_the_demo_page_in_chromium(demo_run):
         shot(driver, "2-L2H3")
 
         # L0H0, the planted sink: its first-frame mass
-        click_cell(driver, "overview", 0, 0)
-        wait_for(driver, "document.getElementById('head-title').textContent.startsWith('L0H0')")
-        first = driver.find_element("id", "readout-first").text
-        assert first == csv_text(results, "demo_a", "eagle", 0, 0, "first")
+        shown = click_head(driver, 0, 0)
+        assert shown["first"] == csv_text(results, "demo_a", "eagle", 0, 0, "first")
         profile, rows, mass = last_block_profile(results, "demo_a", "eagle", 0, 0)
-        assert float(first) == pytest.approx(profile[0], rel=5e-6)
-        assert driver.find_element("id", "readout-class").text == "sink"
+        assert float(shown["first"]) == pytest.approx(profile[0], rel=5e-6)
+        assert shown["class"] == "sink"
 
         # a click on a frame: query frame 10 -> key frame 0, in float16
         click_cell(driver, "frame-map", 0, 10)
