@@ -377,7 +377,7 @@ def _plain_csv_text(table) -> str | None:
     """`table.to_csv(index=False)`, byte for byte, for the tables sinkscope writes (at least two
     columns named by strings, of numpy numbers, text, nullable integers or plain objects, no cell
     the csv module would quote), made one column at a time and each distinct value formatted once
-    (pandas' writer goes row by row through the csv module: 5x slower on the policy summary's
+    (pandas' writer goes row by row through the csv module: 3x the time on the policy summary's
     160,000 rows); None for any other table, which pandas then writes. Each cell is formatted as
     pandas hands it to the csv module: floats by numpy's `astype(str)`, NaN and NA empty, objects
     as that module writes them (text as is, the rest by str)."""

@@ -195,3 +195,30 @@ def test_the_summary_html_is_one_readable_table_per_measure():
     logit, prob = (table["header"] for table in page.tables)
     assert "uniform_multiple" in prob and "uniform_multiple" not in logit
     assert len(logit) <= 17 and len(prob) <= 17  # 22 columns before, at report width now
+
+
+def test_long_tables_are_written_as_pandas_writes_them():
+    """csv_text's own writer for long tables (storage._plain_csv_text) against pandas' to_csv,
+    byte for byte: floats with NaN, inf and -0.0, integers, nullable integers with NA, text
+    with NA, a mixed object column; and a cell the csv module would quote goes to pandas."""
+    from sinkscope.storage import _plain_csv_text
+
+    rng = np.random.default_rng(1)
+    rows = 700
+    floats = rng.normal(size=rows) * 10.0 ** rng.integers(-300, 300, size=rows)
+    floats[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    table = pd.DataFrame(
+        {
+            "value": floats,
+            "count": rng.integers(-5, 5, size=rows),
+            "flag": rng.integers(0, 2, size=rows).astype(bool),
+            "frame": pd.array([None if k % 7 == 0 else k for k in range(rows)], dtype="Int64"),
+            "name": pd.array([None if k % 5 == 0 else f"p{k % 3}" for k in range(rows)], "string"),
+            "mixed": [1, 1.0, True, "x", None, 2.5, "head"] * (rows // 7),
+        }
+    )
+    assert _plain_csv_text(table) == table.to_csv(index=False)
+    assert _plain_csv_text(table.head(10)) is None  # short: pandas writes it
+    quoted = table.assign(name="a, b")
+    assert _plain_csv_text(quoted) is None
+    assert csv_text(quoted).splitlines()[1].endswith(',"a, b",1')
