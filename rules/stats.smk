@@ -67,6 +67,9 @@ rule summary:
         ],
     log:
         "results/logs/summary.log",
+    # Among the longest of the last jobs, as figures: started before the short ones (explorer,
+    # video_summary), which then fill the gaps instead of leaving it to run alone at the end.
+    priority: 1
     conda:
         "../envs/analysis.yaml"
     params:
