@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 import warnings
 import zlib
@@ -381,7 +382,7 @@ def _plain_csv_text(table) -> str | None:
     160,000 rows); None for any other table, which pandas then writes. Each cell is formatted as
     pandas hands it to the csv module: floats by numpy's `astype(str)`, NaN and NA empty, objects
     as that module writes them (text as is, the rest by str)."""
-    import pandas as pd
+    pd = sys.modules["pandas"]  # `table` is a DataFrame; storage imports no pandas (export's env)
 
     rows, width = table.shape
     names = list(table.columns)
