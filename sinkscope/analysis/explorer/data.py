@@ -39,14 +39,13 @@ from sinkscope.analysis.plots.survey_maps import step_panel_title
 from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
 from sinkscope.frames import evicting_frame, video_frames_of_latent
 from sinkscope.storage import significant
-from sinkscope.video_metrics import read_video_metrics
+from sinkscope.video_metrics import FPS, read_video_metrics
 
 # The statistics columns the page shows (Contract 3's last-block prob_mass rows).
 STAT_COLUMNS = ("first", "uniform_multiple", "recent_mass", "entropy")
 # The pixel diagnostics the closed-loop view draws, per latent frame (mean of its pixel frames).
 PIXEL_COLUMNS = ("flicker", "sink_distance", "ssim", "psnr", "colour_drift", "sharpness")
 DEVIATION_SHOWN = ("rel_l2", "cosine", "sink_distance")
-FPS = 16
 # The cache's contents are paged in this many blocks a file: the page loads the blocks the
 # cursor is at, so a rollout of any length opens as fast as a short one.
 CACHE_PAGE_BLOCKS = 32
@@ -66,7 +65,8 @@ def float16(values) -> str:
 
 
 def numbers(values) -> list:
-    """A column as JSON numbers at the CSV's 6 significant digits, NaN as null."""
+    """A column as JSON numbers at the CSV's 6 significant digits; NaN, and the inf a PSNR of
+    identical frames has, as null (JSON has neither): a gap in the page's plots."""
     rounded = significant(np.asarray(values, dtype=float))
     return [float(v) if np.isfinite(v) else None for v in rounded]
 
