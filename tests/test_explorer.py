@@ -161,6 +161,23 @@ def test_an_attention_store_without_its_frame_dataset_is_refused_by_name(demo_ru
         explorer_data.surveyed_runs(frames, [store])
 
 
+def test_the_spatial_map_is_the_survey_figures(demo_run):
+    """The page's spatial map, made for every pass and head at once, against the survey spatial
+    figure's own per (head, pass) functions (`first_frame_image` x `visible_tokens`)."""
+    from sinkscope.analysis.plots.survey_data import first_frame_image, visible_tokens
+    from sinkscope.analysis.stores import open_attention_store, open_frame_dataset
+
+    results = demo_run / "results"
+    ds = open_frame_dataset(results / "frames" / "demo_a" / "eagle" / "layer0.zarr")
+    store = open_attention_store(results / "attention" / "demo_a" / "eagle" / "layer0.zarr")
+    spatial, factor = explorer_data.spatial_multiples(store, ds)
+    assert factor == 1 and spatial.shape == (5, 4, 4, 6)  # the demo's 4 x 6 tokens
+    for s, step in enumerate(ds["step"].values):
+        for h, head in enumerate(ds["head"].values):
+            expected = first_frame_image(store, ds, head, step) * visible_tokens(ds, head, step)
+            np.testing.assert_allclose(spatial[s, h], expected, rtol=1e-12)
+
+
 def test_the_plan_prints_the_explorers_estimate(demo_run):
     """The demo's folder, without its linked videos, within 10 % of the plan's estimate and
     under the issue's 10 MB."""

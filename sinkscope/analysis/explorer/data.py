@@ -177,17 +177,12 @@ def run_entry(
         "prompt_text": str(first.attrs.get("prompt_text", "")),
         "layers": list(layers),
         "heads": heads,
-        "steps": [
-            {"step": step, "label": step_panel_title(first, step), "kind": str(kind)}
-            for step, kind in zip(steps, first["pass_kind"].values, strict=True)
-        ],
+        "steps": [{"step": step, "label": step_panel_title(first, step)} for step in steps],
         "frames": int(first.sizes["query_frame"]),
         "blocks": blocks,
         "visible_frames": last_block_visible_frames(list(layers.values())),
-        "frame_seq_length": int(first.attrs.get("frame_seq_length", 0)),
         "files": files,
         "versions": _version_labels(layers),
-        "spatial": bool(stores),
         "statistics": {
             "layer": _ints(table["layer"]),
             "head": _ints(table["head"]),
@@ -335,7 +330,6 @@ def closed_loop_entry(
                 "label": label,
                 "evicting_from": start,
                 "video": video,
-                "budget": None if pd.isna(key["budget"]) else int(key["budget"]),
             }
         )
     name = f"closed_loop/{checkpoint}/{prompt}"

@@ -22,13 +22,13 @@ from sinkscope.analysis.plots.common import (
     KEY_AXIS_LABELS,
     MAP_LOG_DECADES,
     PROBABILITY_CMAP,
+    PROFILE_LABELS,
     QUERY_AXIS_LABELS,
     UNSEEN_COLOR,
 )
 from sinkscope.analysis.plots.survey import (
     ENTROPY_LABEL,
     FIRST_FRAME_LABEL,
-    HEAD_CLASS_COLORS,
     MULTIPLE_LABEL,
     TOKEN_MULTIPLE_LABEL,
 )
@@ -61,7 +61,7 @@ def page_settings(sink_threshold: float, recent_threshold: float) -> dict:
             "layer": "Layer (0-based)",
             "head": "Head",
             "prob_mass": "Probability mass",
-            "profile": "Probability mass (query-averaged)",
+            "profile": PROFILE_LABELS["probabilities"],
             "first_frame": FIRST_FRAME_LABEL,
             "multiple": MULTIPLE_LABEL,
             "token_multiple": TOKEN_MULTIPLE_LABEL,
@@ -74,7 +74,6 @@ def page_settings(sink_threshold: float, recent_threshold: float) -> dict:
             "unseen": matplotlib.colors.to_hex(UNSEEN_COLOR),
             "map_log_decades": MAP_LOG_DECADES,
         },
-        "head_class_colors": {k: matplotlib.colors.to_hex(v) for k, v in HEAD_CLASS_COLORS.items()},
         "evicted_color": EVICTED_COLOR,
         "sink_threshold": float(sink_threshold),
         "recent_threshold": float(recent_threshold),
