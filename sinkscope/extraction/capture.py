@@ -29,9 +29,9 @@ from . import fused_softmax
 from .attention_store import AttentionStoreWriter, SlotStoreWriter, prepare_call
 from .store import TokenStoreWriter
 
-# Query rows per softmax chunk on the CPU: (rows x keys) float32 buffers that stay in the cache
-# (64 rows of 32760 keys: 8 MB), about as fast as the fused attention kernel at head_dim 128
-# (benchmarks/survey.py). On a GPU a whole tile is one chunk, where `fused_softmax` cannot run.
+# Query rows per softmax chunk on the CPU: two (keys x rows) float32 buffers, 8 MB each at 64
+# rows of 32760 keys, that stay in the last-level cache. On a GPU a whole tile is one chunk, where
+# `fused_softmax` cannot run.
 CPU_SOFTMAX_ROWS = 64
 
 
@@ -49,29 +49,35 @@ def softmax_reductions(
     probability each key receives (sums to 1); entropy is each row's -sum p log p, in nats. Rows
     are taken `row_chunk` at a time (all at once if None): logits, their max, exp, sums. Nothing of
     size R x M is kept.
+
+    The logits are laid out keys x rows (k @ q.T): with 64 rows per chunk that product runs up
+    to 1.4x faster on the CPU than q @ k.T (the whole reduction: 0.81-0.94 of its time), and
+    each reduction is still one pass (over the keys for a row's max, sum and entropy, over the
+    rows for a key's mass).
     """
     q = q.float() * scale
     k = k.float()
-    bias = None if bias is None else bias.float()
+    bias = None if bias is None else bias.float()[:, None]
     rows, keys = q.shape[0], k.shape[0]
     chunk = rows if row_chunk is None else max(1, min(row_chunk, rows))
     key_mass = torch.zeros(keys, dtype=torch.float32, device=q.device)
     entropy = torch.empty(rows, dtype=torch.float32, device=q.device)
-    shifted = torch.empty((chunk, keys), dtype=torch.float32, device=q.device)
-    weights = torch.empty_like(shifted)
     for start in range(0, rows, chunk):
         q_rows = q[start : start + chunk]
         n = q_rows.shape[0]
-        x, w = shifted[:n], weights[:n]
-        torch.mm(q_rows, k.T, out=x)
+        if start == 0 or n != chunk:
+            x = torch.empty((keys, n), dtype=torch.float32, device=q.device)
+            w = torch.empty_like(x)
+        torch.mm(k, q_rows.T, out=x)
         if bias is not None:
             x.add_(bias)
-        x.sub_(x.amax(dim=1, keepdim=True))  # x <= 0, max 0: exp never overflows, Z >= 1
+        x.sub_(x.amax(dim=0, keepdim=True))  # x <= 0, max 0: exp never overflows, Z >= 1
         torch.exp(x, out=w)
-        norm = w.sum(dim=1)
-        key_mass.addmv_(w.T, norm.reciprocal())
-        # H = -sum p log p with log p = x - log Z: H = log Z - sum(w x) / Z.
-        entropy[start : start + n] = norm.log() - torch.linalg.vecdot(w, x) / norm
+        norm = w.sum(dim=0)
+        key_mass.addmv_(w, norm.reciprocal())
+        # H = -sum p log p with log p = x - log Z: H = log Z - sum(w x) / Z; w x in x's place
+        # (vecdot would allocate its product: a third of its time).
+        entropy[start : start + n] = norm.log() - x.mul_(w).sum(dim=0) / norm
     return key_mass.div_(rows), entropy
 
 
