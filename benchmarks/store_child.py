@@ -10,8 +10,9 @@ makes 1,050 calls of key_mass and key_logit_mean [12, 3, keys so far] (5.7 GB of
 all), of which the child gets what the store keeps (1.7 GB at float16). Printed per precision
 (`capture.survey_precision`): the bytes written, the seconds, and MB/s of store written per CPU
 second, against the disk of the H100 machine in issue 44 (1.0-1.1 GB/s with direct I/O); and
-zarr's own pipeline writing the same float16 shards (the array assigned the block's rows), as
-the writer did before.
+zarr's own pipeline writing the same float16 arrays (each call's rows assigned to the sharded
+array, so zarr rewrites a block's shard at each of its passes), as the writer did before
+extraction/shards.py.
 
 Run from the repository root: `python benchmarks/store_child.py [--layers 30] [--repeat 3]`
 (a few minutes on 2 CPU cores; `--layers 3` for a quick look). The best of `--repeat`.

@@ -128,6 +128,98 @@ def test_a_token_store_row_is_the_shard_zarr_writes(tmp_path):
         assert (store / "logits" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes()
 
 
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_an_attention_store_block_is_the_shard_zarr_writes(tmp_path, precision):
+    """AttentionStoreWriter keeps a block's passes (in any order, each with its own key frames,
+    as a rolling window gives them) and writes them as one shard file per array, the chunks in
+    zarr's Morton order: file for file the bytes zarr writes for the same values into the same
+    array. A block that never gets every pass is written at close with the passes it got."""
+    from sinkscope.extraction.attention_store import KEY_MASS_SCALE, AttentionStoreWriter
+
+    heads, t, fpb, frames, steps = 2, 4, 2, 6, 3
+    calls = [  # (step, first query frame, key frames), in call order
+        (1, 0, [0, 1]),
+        (0, 0, [0, 1]),
+        (2, 0, [1, 0]),
+        (0, 2, [0, 1, 2, 3]),
+        (2, 2, [2, 3]),  # a window that dropped frames 0 and 1
+        (1, 2, [0, 3, 2]),
+        (0, 4, [4, 5, 0]),  # block 2 never gets steps 1 and 2
+    ]
+    rng = np.random.default_rng(2)
+    store = tmp_path / "layer0.zarr"
+    mass_name = "key_mass"
+    logits_name = "key_logit_mean" if precision == "float32" else "key_logit_head_sum"
+    expected = {
+        mass_name: np.full((steps, heads, frames, frames * t), np.nan, precision),
+        logits_name: np.full(
+            (steps, heads, frames, frames * t)
+            if precision == "float32"
+            else (steps, frames, frames * t),
+            np.nan,
+            "float32",
+        ),
+    }
+    with AttentionStoreWriter(
+        store,
+        num_heads=heads,
+        num_frames=frames,
+        frame_seq_length=t,
+        frames_per_block=fpb,
+        timesteps=[900.0, 500.0, 0.0],
+        pass_kinds=["denoise", "denoise", "cache"],
+        attrs={},
+        precision=precision,
+    ) as writer:
+        for step, first, keys in calls:
+            mass = rng.random((heads, fpb, len(keys) * t)).astype(np.float32) / 8
+            logits = rng.standard_normal((heads, fpb, len(keys) * t)).astype(np.float32)
+            entropy = rng.random((heads, fpb)).astype(np.float32)
+            writer.write_block(step, first, np.array(keys), mass, entropy, logits)
+            queries = slice(first, first + fpb)
+            for number, key in enumerate(keys):
+                columns = slice(number * t, (number + 1) * t)
+                tokens = slice(key * t, (key + 1) * t)
+                if precision == "float16":
+                    stored = (mass[..., columns] * KEY_MASS_SCALE).astype(np.float16)
+                    expected[logits_name][step, queries, tokens] = logits[..., columns].sum(axis=0)
+                else:
+                    stored = mass[..., columns]
+                    expected[logits_name][step, :, queries, tokens] = logits[..., columns]
+                expected[mass_name][step, :, queries, tokens] = stored
+    for name, values in expected.items():
+        ours = zarr.open_array(str(store / name), mode="r")
+        np.testing.assert_array_equal(ours[...], values)
+        theirs = zarr.create_array(
+            str(tmp_path / name),
+            shape=ours.shape,
+            dtype=ours.dtype,
+            chunks=ours.shards,  # the sharding serializer given: chunks are its shards
+            serializer=ours.metadata.codecs[0],
+            compressors=None,
+            fill_value=np.nan,
+            chunk_key_encoding={"name": "default", "separator": "."},
+            config={"write_empty_chunks": False},
+        )
+        theirs[...] = values
+        files = sorted(path.name for path in (store / name).glob("c.*"))
+        assert len(files) == 3  # one file per block, every pass in it
+        assert files == sorted(path.name for path in (tmp_path / name).glob("c.*"))
+        for file in files:
+            assert (store / name / file).read_bytes() == (tmp_path / name / file).read_bytes()
+
+
+def test_zarrs_morton_order():
+    """The order of chunks in a shard file: zarr's own enumeration of the grid, for grids of
+    one, two and four dimensions with sides that are not powers of two."""
+    from zarr.core.indexing import morton_order_iter
+
+    for grid in [(7,), (5, 21), (3, 1, 1, 6), (2, 3, 5)]:
+        positions = np.arange(np.prod(grid))
+        theirs = [np.ravel_multi_index(coords, grid) for coords in morton_order_iter(grid)]
+        assert list(positions[shards.morton_order(positions, grid)]) == theirs
+
+
 def _one_shard(folder):
     """A float32 shard of 3 chunks, 2 of them written (`positions`), and its expected bytes
     (zarr's)."""

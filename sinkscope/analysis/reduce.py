@@ -420,14 +420,16 @@ def _attention_prob_mass(
     path: Path, tokens_per_frame: int, num_frames: int, threads: int | None
 ) -> np.ndarray:
     """key_mass [pass, head, query frame, key token] summed over each key frame's tokens, float32
-    [pass, head, query frame, key frame], one stored chunk of (pass, head, query frame) at a time
-    on `threads` threads (zarr's decoding releases the GIL). A key frame is either wholly visible
-    or not at all, so NaN stays NaN (no skipna). A chunk that fails its read is named."""
+    [pass, head, query frame, key frame], one stored shard of (pass, head, query frame) at a time
+    (a chunk where unsharded) on `threads` threads (zarr's decoding releases the GIL): a shard
+    read whole is one read of its file, a part of it a read per chunk. A key frame is either
+    wholly visible or not at all, so NaN stays NaN (no skipna). A chunk that fails its read is
+    named."""
     kind = STORE_NAMES["attention"]
     key_mass = zarr.open_group(str(path), mode="r")["key_mass"]
     steps, heads, queries, _ = key_mass.shape
     prob_mass = np.empty((steps, heads, queries, num_frames), np.float32)
-    step_run, head_run, query_run = key_mass.chunks[:3]
+    step_run, head_run, query_run = (key_mass.shards or key_mass.chunks)[:3]
     regions = [
         (slice(s, s + step_run), slice(h, h + head_run), slice(q, q + query_run), slice(None))
         for s in range(0, steps, step_run)

@@ -6,6 +6,7 @@ loop's cache (`SlotStoreWriter`); the shared machinery (a background writer thre
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from pathlib import Path
 
 import numpy as np
@@ -111,9 +112,10 @@ class AttentionStoreWriter(_StoreWriter):
     (`key_logit_mean`) with `precision` float32.
 
     `precision` (SURVEY_PRECISIONS): key_mass in float16 (scaled: KEY_MASS_SCALE) or float32.
-    The per-key arrays are sharded (1, [heads,] frames_per_block, N), one pass call of one block a
-    shard queued to the background thread, of one chunk per key frame: the chunks of key frames
-    the block could not see (NaN) are not written at all. The small arrays are written at close.
+    The per-key arrays are sharded (steps, [heads,] frames_per_block, N), a shard per block of a
+    chunk per pass and key frame: each pass call's chunks are queued to the background thread,
+    which writes a block's shard once it has all its passes; the chunks of key frames the block
+    could not see (NaN) are not written at all. The small arrays are written at close.
     """
 
     store_kind = "attention"
@@ -129,6 +131,11 @@ class AttentionStoreWriter(_StoreWriter):
         # Chunks written go back here for the next block's rows: a new 9.4 MB chunk per call at
         # the real geometry costs more in page faults than the copy (benchmarks/store_child.py).
         self._spare_rows: list[np.ndarray] = []
+        # The writer thread's: per block (shard), its passes so far (step -> key frames, the
+        # call's mass and logits chunks, the block's index in them); per such pair of chunk
+        # buffers, [blocks still holding them, mass, logits].
+        self._pending: dict[int, dict[int, tuple]] = {}
+        self._held: dict[int, list] = {}
         super().__init__(path, **kw)
         self.entropy = np.full(
             (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
@@ -167,8 +174,8 @@ class AttentionStoreWriter(_StoreWriter):
             self.key_logits = self._per_key_array(group, "key_logit_head_sum", (), "float32")
 
     def _per_key_array(self, group: zarr.Group, name: str, heads: tuple, dtype: str):
-        """[steps, *heads, F, N] of `dtype`, a shard per block and pass, a chunk per key frame;
-        chunks of NaN alone (keys not visible) are not written."""
+        """[steps, *heads, F, N] of `dtype`, a shard per block (all steps), a chunk per pass
+        and key frame; chunks of NaN alone (keys not visible) are not written."""
         t, fpb = self.frame_seq_length, self.frames_per_block
         attributes = {**VARIABLE_ATTRS[name], "coordinates": "timestep pass_kind key_frame"}
         if name == "key_mass" and dtype == "float16":
@@ -177,7 +184,7 @@ class AttentionStoreWriter(_StoreWriter):
             name,
             shape=(self.num_steps, *heads, self.num_frames, self.num_tokens),
             chunks=(1, *heads, fpb, t),
-            shards=(1, *heads, fpb, self.num_tokens),
+            shards=(self.num_steps, *heads, fpb, self.num_tokens),
             compressors=visible_key_compressors(),
             dtype=dtype,
             fill_value=np.nan,
@@ -203,18 +210,55 @@ class AttentionStoreWriter(_StoreWriter):
         mass: np.ndarray,
         logits: np.ndarray,
     ) -> int:
-        """The shards of one block's rows: `mass` and `logits` [shards, key frames, 1, (heads,)
-        frames_per_block, T], the chunks of `key_frames` (ascending) of each shard in turn."""
+        """One pass call's chunks: `mass` and `logits` [shards, key frames, 1, (heads,)
+        frames_per_block, T], the chunks of `key_frames` (ascending) of each of its blocks in
+        turn, kept until the block has every pass; then the block's shard of each array is
+        written, one file holding all its passes (a file per pass would make the file system's
+        cost per file the writer's: benchmarks/store_child.py)."""
         first_shard = first_query_frame // self.frames_per_block
+        self._held[id(mass)] = [len(mass), mass, logits]
         written = 0
-        for array, chunks in ((self.key_mass, mass), (self.key_logits, logits)):
-            folder = self.tmp / array.basename
-            heads = (0,) if chunks.ndim == 6 else ()
-            for index, shard in enumerate(chunks):
-                key = shard_key(folder, (step, *heads, first_shard + index, 0), separator=".")
-                written += write_shard(key, shard, key_frames, self.num_frames)
-        self._spare_rows += (mass, logits)
+        for index in range(len(mass)):
+            passes = self._pending.setdefault(first_shard + index, {})
+            if step in passes:  # a pass written again replaces the one before
+                self._release(passes[step][1])
+            passes[step] = (key_frames, mass, logits, index)
+            if len(passes) == self.num_steps:
+                written += self._write_shards(first_shard + index)
         return written
+
+    def _write_shards(self, shard: int) -> int:
+        """The pending passes of block `shard` as one shard file of each per-key array, in pass
+        order."""
+        # [(step, (key frames, the call's mass chunks, its logits chunks, the block's index))]
+        passes = sorted(self._pending.pop(shard).items())
+        positions = [
+            step * self.num_frames + frame for step, (frames, *_) in passes for frame in frames
+        ]
+        written = 0
+        for number, array in enumerate((self.key_mass, self.key_logits)):
+            heads = (0,) if array.ndim == 4 else ()
+            key = shard_key(self.tmp / array.basename, (0, *heads, shard, 0), separator=".")
+            parts = [chunks[1 + number][chunks[3]] for _, chunks in passes]
+            grid = (self.num_steps, self.num_frames)
+            written += write_shard(key, parts, positions, math.prod(grid), grid=grid)
+        for _, (_, mass, _, _) in passes:
+            self._release(mass)
+        return written
+
+    def _release(self, mass: np.ndarray) -> None:
+        """One block less holds the chunk buffers of the call of `mass`: with none left, they go
+        back for the next calls' rows."""
+        held = self._held[id(mass)]
+        held[0] -= 1
+        if not held[0]:
+            del self._held[id(mass)]
+            self._spare_rows += held[1:]
+
+    def _write_pending(self) -> int:
+        """At close: the blocks that did not get every pass (a sampler whose first block has
+        fewer steps), with the passes they got."""
+        return sum(self._write_shards(shard) for shard in sorted(self._pending))
 
     def _new_rows(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         """An uninitialised buffer of `shape` and `dtype` for a block's chunks: a spare one if
@@ -223,6 +267,10 @@ class AttentionStoreWriter(_StoreWriter):
             spare = self._spare_rows[index]
             if spare.shape == shape and spare.dtype == dtype:
                 return self._spare_rows.pop(index)
+        # None of this shape: the spares are of an earlier, narrower block (the keys a block
+        # sees only grow, then stay), not needed again; kept, a prompt's widths would pile up
+        # (with a block's passes held, 1.6 GB in a store process of the real model).
+        self._spare_rows.clear()
         return np.empty(shape, dtype)
 
     def write_call(

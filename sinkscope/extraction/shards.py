@@ -1,9 +1,9 @@
 """Zarr v3 shards written as files, without zarr's codec pipeline.
 
-An attention store writes one shard per pass call of a block and per-key array, a token store one
-per row of logits (one query frame of one head and pass): the key frames as the shard's chunks,
-each chunk's bytes followed by their crc32c, then the shard index (per chunk its offset and size,
-2^64 - 1 for a chunk not written) and the index's crc32c, as zarr's
+An attention store writes one shard per block (all its passes) and per-key array, a token store
+one per row of logits (one query frame of one head and pass): the key frames (of each pass in
+turn) as the shard's chunks, each chunk's bytes followed by their crc32c, then the shard index
+(per chunk its offset and size, 2^64 - 1 for a chunk not written) and the index's crc32c, as zarr's
 `ShardingCodec(codecs=(BytesCodec(little), Crc32cCodec()), index_codecs=(the same),
 index_location=end)` lays it out. zarr writes the same bytes (tests/test_shards.py compares them
 file for file) at 40-50 MB/s on one core for this shape, through its event loop, a check of
@@ -67,44 +67,70 @@ def _image(size: int) -> np.ndarray:
     return buffer[:size]
 
 
+def morton_order(positions: Sequence[int], grid: Sequence[int]) -> np.ndarray:
+    """The order in which zarr lays out chunks `positions` (flat C-order indices into a shard's
+    chunk `grid`) in a shard file: by their compressed Morton code (the bits of each coordinate
+    interleaved from the lowest, a dimension of c chunks taking (c - 1).bit_length() bits), as
+    zarr's `morton_order_iter` enumerates them. A grid of one dimension: the positions' own."""
+    coords = np.stack(np.unravel_index(np.asarray(positions, np.int64), tuple(grid)), axis=1)
+    bits = [(int(c) - 1).bit_length() for c in grid]
+    codes = np.zeros(len(coords), np.int64)
+    out_bit = 0
+    for coord_bit in range(max(bits, default=0)):
+        for dim, dim_bits in enumerate(bits):
+            if coord_bit < dim_bits:
+                codes |= ((coords[:, dim] >> coord_bit) & 1) << out_bit
+                out_bit += 1
+    return np.argsort(codes, kind="stable")
+
+
 def write_shard(
     path: Path,
-    chunks: np.ndarray,
+    chunks: np.ndarray | Sequence[np.ndarray],
     positions: Sequence[int],
     count: int,
     *,
+    grid: Sequence[int] | None = None,
     checksums: bool = True,
     direct: bool = True,
 ) -> int:
-    """Write a shard of `count` chunks along its last axis of which `chunks[i]` (C-contiguous,
-    little-endian) is chunk `positions[i]` (ascending) and the others are not written, into the
-    existing folder of `path`; returns the bytes written. Nothing to write (no chunk): no file,
-    as zarr leaves an empty shard. `checksums=False`: the chunks without their crc32c (an array
-    whose chunk codecs are the bytes codec alone); the index always has its own. `direct`: past
-    the page cache where the file system takes it (the module's docstring)."""
-    if len(positions) != len(chunks):
-        raise ValueError(f"{len(chunks)} chunks for {len(positions)} positions")
+    """Write a shard of `count` chunks of which the i-th chunk of `chunks` (one C-contiguous
+    little-endian array [n, *chunk], or several whose chunks follow one another) is chunk
+    `positions[i]` (ascending; the C-order index into the shard's chunk `grid`, one dimension
+    of `count` if None) and the others are not written, into the existing folder of `path`;
+    returns the bytes written. The chunks lie in the file in zarr's (Morton) order. Nothing to
+    write (no chunk): no file, as zarr leaves an empty shard. `checksums=False`: the chunks
+    without their crc32c (an array whose chunk codecs are the bytes codec alone); the index
+    always has its own. `direct`: past the page cache where the file system takes it (the
+    module's docstring)."""
+    parts = [chunks] if isinstance(chunks, np.ndarray) else list(chunks)
+    for part in parts:
+        if not part.flags.c_contiguous or part.dtype.byteorder == ">":
+            raise ValueError("shard chunks must be C-contiguous and little-endian")
+    data = [chunk.reshape(-1).view(np.uint8) for part in parts for chunk in part]
+    if len(positions) != len(data):
+        raise ValueError(f"{len(data)} chunks for {len(positions)} positions")
     if not len(positions):
         return 0
-    if not chunks.flags.c_contiguous or chunks.dtype.byteorder == ">":
-        raise ValueError("shard chunks must be C-contiguous and little-endian")
-    chunk_bytes = chunks[0].nbytes
+    chunk_bytes = len(data[0])
+    if any(len(chunk) != chunk_bytes for chunk in data):
+        raise ValueError("the chunks of a shard must have one size")
     stride = chunk_bytes + 4 * checksums
-    size = len(chunks) * stride + 16 * count + 4
+    size = len(positions) * stride + 16 * count + 4
     padded = -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
     image = _image(padded)
     # The file's bytes: each chunk and its checksum, then the index and its checksum.
     index = np.full((count, 2), _ABSENT, dtype="<u8")
-    data = chunks.reshape(len(chunks), -1).view(np.uint8)
-    for slot, (position, chunk) in enumerate(zip(positions, data, strict=True)):
+    order = range(len(data)) if grid is None or len(grid) == 1 else morton_order(positions, grid)
+    for slot, chunk_number in enumerate(order):
         offset = slot * stride
-        image[offset : offset + chunk_bytes] = chunk
+        image[offset : offset + chunk_bytes] = data[chunk_number]
         if checksums:
             image[offset + chunk_bytes : offset + stride] = np.frombuffer(
                 crc32c(image[offset : offset + chunk_bytes]), np.uint8
             )
-        index[position] = (offset, stride)
-    start = len(chunks) * stride
+        index[positions[chunk_number]] = (offset, stride)
+    start = len(positions) * stride
     encoded = index.reshape(-1).view(np.uint8)
     image[start : start + len(encoded)] = encoded
     image[start + len(encoded) : size] = np.frombuffer(crc32c(encoded), np.uint8)

@@ -232,25 +232,31 @@ class _StoreWriter(ClosesOrAborts):
     def _write(self, *item) -> None:
         raise NotImplementedError
 
+    def _write_pending(self) -> int:
+        """The writer thread's last write, after the last item: what `_write` kept back."""
+        return 0
+
     def _finish(self, group: zarr.Group) -> None:
         """Write what was kept in memory (after the writer thread has finished)."""
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
-                return
             if self._error is not None:
+                if item is None:
+                    return
                 continue  # drain after a failure; the error surfaces in _put/close
             try:
                 started, (user, system) = time.perf_counter(), thread_cpu_seconds()
-                self.bytes_written += self._write(*item)
+                self.bytes_written += self._write_pending() if item is None else self._write(*item)
                 self.write_seconds += time.perf_counter() - started
                 user_done, system_done = thread_cpu_seconds()
                 self.write_user_seconds += user_done - user
                 self.write_system_seconds += system_done - system
             except BaseException as err:
                 self._error = err
+            if item is None:
+                return
 
     def _put(self, item: tuple) -> None:
         if self._error is not None:
