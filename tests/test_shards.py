@@ -29,6 +29,22 @@ def _array(root, name, dtype, shape, chunks, shards, separator="/", checksums=Tr
     )
 
 
+def _zarrs_twin(ours: zarr.Array, path) -> zarr.Array:
+    """A new array at `path` with the metadata of `ours`, for zarr's own write of the same
+    values."""
+    return zarr.create_array(
+        str(path),
+        shape=ours.shape,
+        dtype=ours.dtype,
+        chunks=ours.shards,  # the sharding serializer given: chunks are its shards
+        serializer=ours.metadata.codecs[0],
+        compressors=None,
+        fill_value=np.nan,
+        chunk_key_encoding={"name": "default", "separator": "."},
+        config={"write_empty_chunks": False},
+    )
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("checksums", [True, False], ids=["crc32c", "bare"])
 @pytest.mark.parametrize("separator", ["/", "."])
@@ -108,17 +124,7 @@ def test_a_token_store_row_is_the_shard_zarr_writes(tmp_path):
     ours = zarr.open_array(str(store / "logits"), mode="r")
     np.testing.assert_array_equal(ours[...], expected)
     # zarr's own write of the same rows into an array of the same metadata
-    theirs = zarr.create_array(
-        str(tmp_path / "theirs"),
-        shape=ours.shape,
-        dtype=ours.dtype,
-        chunks=ours.shards,  # the sharding serializer given: chunks are its shards
-        serializer=ours.metadata.codecs[0],
-        compressors=None,
-        fill_value=np.nan,
-        chunk_key_encoding={"name": "default", "separator": "."},
-        config={"write_empty_chunks": False},
-    )
+    theirs = _zarrs_twin(ours, tmp_path / "theirs")
     for step, head, query in rows:
         block = np.s_[step, head, query * t : (query + 1) * t]
         theirs[block] = expected[block]
@@ -190,17 +196,7 @@ def test_an_attention_store_block_is_the_shard_zarr_writes(tmp_path, precision):
     for name, values in expected.items():
         ours = zarr.open_array(str(store / name), mode="r")
         np.testing.assert_array_equal(ours[...], values)
-        theirs = zarr.create_array(
-            str(tmp_path / name),
-            shape=ours.shape,
-            dtype=ours.dtype,
-            chunks=ours.shards,  # the sharding serializer given: chunks are its shards
-            serializer=ours.metadata.codecs[0],
-            compressors=None,
-            fill_value=np.nan,
-            chunk_key_encoding={"name": "default", "separator": "."},
-            config={"write_empty_chunks": False},
-        )
+        theirs = _zarrs_twin(ours, tmp_path / name)
         theirs[...] = values
         files = sorted(path.name for path in (store / name).glob("c.*"))
         assert len(files) == 3  # one file per block, every pass in it
