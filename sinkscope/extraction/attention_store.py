@@ -131,11 +131,9 @@ class AttentionStoreWriter(_StoreWriter):
         # Chunks written go back here for the next block's rows: a new 9.4 MB chunk per call at
         # the real geometry costs more in page faults than the copy (benchmarks/store_child.py).
         self._spare_rows: list[np.ndarray] = []
-        # The writer thread's: per block (shard), its passes so far (step -> key frames, the
-        # call's mass and logits chunks, the block's index in them); per such pair of chunk
-        # buffers, [blocks still holding them, mass, logits].
+        # The writer thread's: per block (shard) waiting for its passes, those it has (step ->
+        # key frames, the block's mass and logits chunks, the call's buffers they lie in).
         self._pending: dict[int, dict[int, tuple]] = {}
-        self._held: dict[int, list] = {}
         super().__init__(path, **kw)
         self.entropy = np.full(
             (self.num_steps, self.num_heads, self.num_frames), np.nan, np.float32
@@ -216,13 +214,14 @@ class AttentionStoreWriter(_StoreWriter):
         written, one file holding all its passes (a file per pass would make the file system's
         cost per file the writer's: benchmarks/store_child.py)."""
         first_shard = first_query_frame // self.frames_per_block
-        self._held[id(mass)] = [len(mass), mass, logits]
+        buffers = (mass, logits)
         written = 0
         for index in range(len(mass)):
             passes = self._pending.setdefault(first_shard + index, {})
-            if step in passes:  # a pass written again replaces the one before
-                self._release(passes[step][1])
-            passes[step] = (key_frames, mass, logits, index)
+            replaced = passes.get(step)  # a pass written again replaces the one before
+            passes[step] = (key_frames, (mass[index], logits[index]), buffers)
+            if replaced is not None:
+                self._release(replaced[2])
             if len(passes) == self.num_steps:
                 written += self._write_shards(first_shard + index)
         return written
@@ -230,30 +229,28 @@ class AttentionStoreWriter(_StoreWriter):
     def _write_shards(self, shard: int) -> int:
         """The pending passes of block `shard` as one shard file of each per-key array, in pass
         order."""
-        # [(step, (key frames, the call's mass chunks, its logits chunks, the block's index))]
+        # [(step, (key frames, the block's mass and logits chunks, the call's buffers))]
         passes = sorted(self._pending.pop(shard).items())
         positions = [
-            step * self.num_frames + frame for step, (frames, *_) in passes for frame in frames
+            step * self.num_frames + frame for step, (frames, _, _) in passes for frame in frames
         ]
+        grid = (self.num_steps, self.num_frames)
         written = 0
         for number, array in enumerate((self.key_mass, self.key_logits)):
             heads = (0,) if array.ndim == 4 else ()
             key = shard_key(self.tmp / array.basename, (0, *heads, shard, 0), separator=".")
-            parts = [chunks[1 + number][chunks[3]] for _, chunks in passes]
-            grid = (self.num_steps, self.num_frames)
+            parts = [chunks[number] for _, (_, chunks, _) in passes]
             written += write_shard(key, parts, positions, math.prod(grid), grid=grid)
-        for _, (_, mass, _, _) in passes:
-            self._release(mass)
+        for _, (_, _, buffers) in passes:
+            self._release(buffers)
         return written
 
-    def _release(self, mass: np.ndarray) -> None:
-        """One block less holds the chunk buffers of the call of `mass`: with none left, they go
-        back for the next calls' rows."""
-        held = self._held[id(mass)]
-        held[0] -= 1
-        if not held[0]:
-            del self._held[id(mass)]
-            self._spare_rows += held[1:]
+    def _release(self, buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        """A call's chunk buffers back for the next calls' rows, once no block still waiting for
+        its passes holds them."""
+        held = (kept for passes in self._pending.values() for *_, kept in passes.values())
+        if not any(kept is buffers for kept in held):
+            self._spare_rows += buffers
 
     def _write_pending(self) -> int:
         """At close: the blocks that did not get every pass (a sampler whose first block has
