@@ -40,6 +40,11 @@ from sinkscope.workflow.params import (
     prompt_inputs,
     prompt_segment_params,
 )
+from sinkscope.workflow.prompt_cache import (
+    PROMPT_CACHE,
+    prompt_cache_inputs,
+    prompt_cache_params,
+)
 from sinkscope.workflow.resources import (
     DECODE_MEM_MB,
     POLICIES_MINUTES,
@@ -47,6 +52,7 @@ from sinkscope.workflow.resources import (
     closed_loop_runtime,
     encode_gpus,
     encode_mem_mb,
+    encoder_mem_mb,
     extract_mem_mb,
     extract_runtime,
     reduce_runtime,

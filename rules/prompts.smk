@@ -25,3 +25,26 @@ rule encode_prompt:
         dtype=config["dtype"],
     script:
         "../scripts/encode_prompt.py"
+
+
+# Not a target of `all`: run it before a run of many prompts (`snakemake ... encode_all_prompts`)
+# and their encode_prompt jobs copy its files instead of loading the encoder one by one. Its
+# output is read by them, not their input (sinkscope.workflow.prompt_cache says why).
+rule encode_all_prompts:
+    input:
+        unpack(lambda wildcards: prompt_cache_inputs(config)),
+    output:
+        directory(PROMPT_CACHE),
+    log:
+        "results/logs/encode_all_prompts.log",
+    conda:
+        "../envs/extract.yaml"
+    resources:
+        gpu=GPU_PER_JOB,
+        mem_mb=lambda wildcards: encoder_mem_mb(config),
+    params:
+        cache=lambda wildcards: prompt_cache_params(config),
+        device=config["device"],
+        dtype=config["dtype"],
+    script:
+        "../scripts/encode_all_prompts.py"

@@ -12,10 +12,12 @@ import time
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import xarray as xr
 import yaml
 
 from sinkscope.storage import decoded_attrs
+from sinkscope.wan.text import load_prompt_segments
 
 from .workflowtools import copy_workflow, demo_copy, edit_config, planned_jobs, snakemake
 
@@ -194,6 +196,41 @@ def test_precomputed_prompt_embeddings_replace_the_encoder(demo_run, tmp_path):
     got, meta = load_prompt_embedding(workdir / "results/prompts/eagle.safetensors")
     want, _ = load_prompt_embedding(mine)
     assert meta["prompt"] == text and np.array_equal(got.numpy(), want.numpy())
+
+
+def test_prompts_encoded_at_once_rerun_nothing_and_a_changed_prompt_only_its_own_jobs(
+    demo_run, tmp_path
+):
+    """`encode_all_prompts` fills the prompt cache with the encoder loaded once: filling it
+    reruns no job of a finished run, an encode job copies its prompt's entry (no GPU) and a
+    prompt edited since is encoded by its own job, the others' jobs untouched."""
+    workdir = demo_copy(demo_run, tmp_path / "w")
+    snakemake(workdir, "encode_all_prompts")
+    log = (workdir / "results/logs/encode_all_prompts.log").read_text()
+    assert "encoding 2 prompts (2 texts)" in log
+    assert planned_jobs(workdir) == set()
+    before = {p.name: p.stat().st_mtime_ns for p in (workdir / "results/prompts").iterdir()}
+
+    edit_config(workdir, lambda c: c["prompts"].update(eagle="An eagle over the sea at dusk"))
+    encodes = {w for r, w in planned_jobs(workdir) if r in {"encode_prompt", "encode_all_prompts"}}
+    assert encodes == {"prompt=eagle"}  # the cache is not an input: it reruns nothing
+    snakemake(workdir, "results/prompts/eagle.safetensors")
+    log = (workdir / "results/logs/encode_prompt/eagle.log").read_text()
+    assert "not in the prompt cache" in log
+    own = load_prompt_segments(workdir / "results/prompts/eagle.safetensors")[0]
+
+    # Refilled (its params name every prompt's text), the edited prompt is copied from it.
+    assert ("encode_all_prompts", "") in planned_jobs(workdir, "encode_all_prompts")
+    snakemake(workdir, "encode_all_prompts")
+    (workdir / "results/prompts/eagle.safetensors").unlink()
+    dry = snakemake(workdir, "--dry-run", "results/prompts/eagle.safetensors").stdout
+    assert "gpu=0" in dry and "mem_mb=1000" in dry  # a copy, not the encoder
+    snakemake(workdir, "results/prompts/eagle.safetensors")
+    log = (workdir / "results/logs/encode_prompt/eagle.log").read_text()
+    assert "copied results/prompt_cache/" in log
+    assert torch.equal(load_prompt_segments(workdir / "results/prompts/eagle.safetensors")[0], own)
+    after = {p.name: p.stat().st_mtime_ns for p in (workdir / "results/prompts").iterdir()}
+    assert after["harbor.safetensors"] == before["harbor.safetensors"]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import string
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -27,6 +28,7 @@ from typing import NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from sinkscope.segments import Segment, segments_from_json, segments_json
 from sinkscope.storage import atomic_path
@@ -412,6 +414,7 @@ def encode_prompts(
     device: torch.device | str = "cpu",
     on_truncate: str = "warn",
     dtype: str = "auto",
+    progress: bool = False,
 ) -> list[EncodedPrompt]:
     """Per text (a prompt, or a prompt's segments; the encoder loaded once) its embeddings
     [text_len, d_model] (float32, rows past the prompt zeroed) and token counts.
@@ -420,7 +423,7 @@ def encode_prompts(
     given) or Wan's UMT5 `.pth` (then `tokenizer_dir` is required). Runs in float32 on CPU and
     bfloat16 on CUDA, as Wan / Self-Forcing do (`dtype` "auto"), or in the `dtype` given. A
     prompt longer than `text_len` tokens is cut to its first text_len - 1 and EOS, as Wan does:
-    `on_truncate` "warn" logs what was cut, "error" raises."""
+    `on_truncate` "warn" logs what was cut, "error" raises; `progress`: a bar over the texts."""
     if on_truncate not in ("warn", "error"):
         raise ValueError(f"on_truncate must be 'warn' or 'error', got {on_truncate!r}")
     encoder = Path(encoder)
@@ -442,6 +445,8 @@ def encode_prompts(
         model = load_umt5_folder(encoder, device=device, dtype=dtype)
     else:
         model = load_wan_umt5(encoder, device=device, dtype=dtype)
+    if progress:
+        texts = tqdm(texts, desc="encoding prompts", unit="text", file=sys.stderr)
     return [_encode_one(text, tokenizer, model, text_len, device, on_truncate) for text in texts]
 
 

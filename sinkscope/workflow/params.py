@@ -30,6 +30,11 @@ def prompt_inputs(config: dict, name: str) -> dict[str, str]:
     embeddings = prompt_embeddings(config, name)
     if embeddings is not None:
         return {"embeddings": embeddings}
+    return encoder_inputs(config)
+
+
+def encoder_inputs(config: dict) -> dict[str, str]:
+    """The text encoder's files as a job's inputs: its path (and tokenizer folder)."""
     encoder = config["text_encoder"]
     inputs = {"encoder": encoder["path"]}
     if encoder.get("tokenizer"):

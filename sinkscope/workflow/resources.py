@@ -40,6 +40,7 @@ from .entries import (
     vae_path,
 )
 from .params import extraction_gpus, prompt_encoder
+from .prompt_cache import cached_prompt
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
 # 1.5 GB, reduce at 0.5 GB in the benchmarks).
@@ -221,15 +222,25 @@ def reduce_runtime(config: dict, name: str) -> int:
 
 
 def encode_gpus(config: dict, prompt: str, local: bool = False) -> int:
-    """A prompt that brings its embeddings needs no GPU to be copied (`local`: extraction_gpus)."""
-    return extraction_gpus(config, local) if prompt_encoder(config, prompt) else 0
+    """A prompt that brings its embeddings, or whose encoding is in the prompt cache, needs no
+    GPU to be copied (`local`: extraction_gpus)."""
+    if prompt_encoder(config, prompt) is None or cached_prompt(config, prompt):
+        return 0
+    return extraction_gpus(config, local)
 
 
 def encode_mem_mb(config: dict, prompt: str) -> int:
-    encoder = prompt_encoder(config, prompt)
-    if encoder is None:
+    """An encode job's memory: the encoder's weights and a floor; 1000 MB for a copy."""
+    if prompt_encoder(config, prompt) is None or cached_prompt(config, prompt):
         return 1000
-    path = encoder["path"]
+    return encoder_mem_mb(config)
+
+
+def encoder_mem_mb(config: dict) -> int:
+    """A job that loads the text encoder: its weights (1.25x, a pickle's copy) and a floor."""
+    if "text_encoder" not in config:
+        return 1000
+    path = config["text_encoder"]["path"]
     if os.path.isdir(path):
         size = files_mb([os.path.join(path, f) for f in os.listdir(path)])
     else:

@@ -1,0 +1,145 @@
+"""The prompt jobs: one prompt's encoding (rule encode_prompt), or every prompt's with the
+encoder loaded once into the prompt cache (rule encode_all_prompts), which the prompt jobs then
+copy (`sinkscope.workflow.prompt_cache`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from sinkscope.segments import Segment
+from sinkscope.storage import atomic_path
+from sinkscope.wan.precision import model_dtype
+from sinkscope.wan.text import encode_prompts, save_prompt_segments
+from sinkscope.workflow.prompt_cache import INDEX_NAME, PROMPT_CACHE, cache_entry, encoding_key
+
+log = logging.getLogger(__name__)
+
+
+def _segments(text: str, segments: list[dict] | None) -> list[Segment]:
+    return [Segment(**segment) for segment in segments or [{"text": text}]]
+
+
+def cached_encoding(
+    text: str,
+    segments: list[dict] | None,
+    encoder: dict,
+    device: str,
+    dtype: str,
+    folder: str | Path,
+) -> Path | None:
+    """The cache's entry for an encode job of these params, if it is there."""
+    key = encoding_key(text, segments, encoder, device, dtype)
+    if key is None:
+        return None
+    path = cache_entry(key, folder)
+    return path if path.is_file() else None
+
+
+def copy_encoding(source: str | Path, out: str | Path) -> None:
+    """Copy a cache entry to a prompt job's output (whole or not at all)."""
+    with atomic_path(out) as temporary:
+        shutil.copyfile(source, temporary)
+
+
+def encode_prompt_job(
+    out: str | Path,
+    text: str,
+    segments: list[dict] | None,
+    encoder: dict,
+    *,
+    device: str,
+    dtype: str,
+    on_truncate: str,
+    claim,
+    cache: str | Path = PROMPT_CACHE,
+) -> None:
+    """Rule encode_prompt for a prompt the encoder encodes: copy its entry from the prompt
+    cache, or else encode its text (each segment's) on the device `claim()` gives."""
+    cached = cached_encoding(text, segments, encoder, device, dtype, cache)
+    if cached is not None:
+        copy_encoding(cached, out)
+        log.info("copied %s from the prompt cache (rule encode_all_prompts)", cached)
+        return
+    if Path(cache).is_dir():
+        log.info(
+            "not in the prompt cache %s (edited or added since it was filled, or a new encoder): "
+            "encoding it here; `snakemake encode_all_prompts` refills the cache with the encoder "
+            "loaded once",
+            cache,
+        )
+    segments = _segments(text, segments)
+    with claim(device) as gpu:
+        encoded = encode_prompts(
+            [segment.text for segment in segments],
+            encoder["path"],
+            tokenizer_dir=encoder["tokenizer"],
+            text_len=encoder["text_len"],
+            device=gpu.device,
+            dtype=dtype,
+            on_truncate=on_truncate,
+        )
+    save_prompt_segments(out, encoded, segments)
+
+
+def fill_prompt_cache(
+    folder: str | Path,
+    prompts: dict[str, dict],
+    encoder: dict,
+    *,
+    device: str,
+    dtype: str,
+    on_truncate: str,
+    claim,
+) -> None:
+    """Rule encode_all_prompts: every prompt of `prompts` ({name: {text, segments}}, as the
+    encode jobs' params) encoded with the encoder loaded once, each into the cache entry its
+    encode job looks for, and an index (name -> entry, text) for a reader. The folder appears
+    whole or not at all."""
+    entries = {}
+    texts = []
+    for name, prompt in prompts.items():
+        key = encoding_key(prompt["text"], prompt["segments"], encoder, device, dtype)
+        if key is None:
+            raise FileNotFoundError(f"text encoder not found: {encoder['path']}")
+        entries[name] = (key, _segments(prompt["text"], prompt["segments"]))
+        texts += [segment.text for segment in entries[name][1]]
+    encoded = []
+    if texts:
+        with claim(device) as gpu:
+            log.info(
+                "encoding %d prompts (%d texts) with %s loaded once, on %s",
+                len(prompts),
+                len(texts),
+                encoder["path"],
+                gpu.device,
+            )
+            encoded = encode_prompts(
+                texts,
+                encoder["path"],
+                tokenizer_dir=encoder["tokenizer"],
+                text_len=encoder["text_len"],
+                device=gpu.device,
+                dtype=dtype,
+                on_truncate=on_truncate,
+                progress=True,
+            )
+            precision = str(model_dtype(gpu.device, dtype)).removeprefix("torch.")
+    with atomic_path(folder) as temporary:
+        temporary.mkdir()
+        index = {}
+        start = 0
+        for name, (key, segments) in entries.items():
+            path = cache_entry(key, temporary)
+            save_prompt_segments(path, encoded[start : start + len(segments)], segments)
+            start += len(segments)
+            index[name] = {"file": path.name, "text": " | ".join(s.text for s in segments)}
+        about = {"encoder": encoder, "device": device, "dtype": dtype}
+        if texts:
+            about["precision"] = precision
+        (temporary / INDEX_NAME).write_text(
+            json.dumps({**about, "prompts": index}, indent=1) + "\n"
+        )
+    log.info("wrote %d prompt encodings to %s", len(entries), folder)
