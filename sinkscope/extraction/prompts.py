@@ -72,16 +72,24 @@ def encode_prompt_job(
         )
     segments = _segments(text, segments)
     with claim(device) as gpu:
-        encoded = encode_prompts(
-            [segment.text for segment in segments],
-            encoder["path"],
-            tokenizer_dir=encoder["tokenizer"],
-            text_len=encoder["text_len"],
-            device=gpu.device,
-            dtype=dtype,
-            on_truncate=on_truncate,
-        )
+        encoded = _encode([s.text for s in segments], encoder, gpu.device, dtype, on_truncate)
     save_prompt_segments(out, encoded, segments)
+
+
+def _encode(
+    texts: list[str], encoder: dict, device, dtype: str, on_truncate: str, progress: bool = False
+):
+    """`encode_prompts` under an encode job's encoder settings."""
+    return encode_prompts(
+        texts,
+        encoder["path"],
+        tokenizer_dir=encoder["tokenizer"],
+        text_len=encoder["text_len"],
+        device=device,
+        dtype=dtype,
+        on_truncate=on_truncate,
+        progress=progress,
+    )
 
 
 def fill_prompt_cache(
@@ -116,16 +124,7 @@ def fill_prompt_cache(
                 encoder["path"],
                 gpu.device,
             )
-            encoded = encode_prompts(
-                texts,
-                encoder["path"],
-                tokenizer_dir=encoder["tokenizer"],
-                text_len=encoder["text_len"],
-                device=gpu.device,
-                dtype=dtype,
-                on_truncate=on_truncate,
-                progress=True,
-            )
+            encoded = _encode(texts, encoder, gpu.device, dtype, on_truncate, progress=True)
             precision = str(model_dtype(gpu.device, dtype)).removeprefix("torch.")
     with atomic_path(folder) as temporary:
         temporary.mkdir()
