@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,22 @@ def test_a_failed_fill_leaves_no_cache(encoder_dir, tmp_path):
         fill(config, tmp_path / "cache", on_truncate="error")
     assert not (tmp_path / "cache").exists()
     assert list(tmp_path.iterdir()) == [encoder_dir]
+
+
+def test_a_job_that_copies_from_the_cache_loads_no_torch(encoder_dir, tmp_path):
+    """A copy takes a fraction of a second; importing torch alone takes seconds."""
+    config = run_config(encoder_dir)
+    cache = tmp_path / "cache"
+    fill(config, cache)
+    code = (
+        "import sys; from sinkscope.extraction.prompts import encode_prompt_job; "
+        "from sinkscope.workflow.gpus import job_device; "
+        f"encode_prompt_job('out.safetensors', **{job_params(config, 'story')!r}, "
+        f"on_truncate='warn', claim=job_device, cache={str(cache)!r}); "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    copied = load_prompt_segments(tmp_path / "out.safetensors")[0]
+    assert all(
+        torch.equal(a, b) for a, b in zip(copied, own_encoding(config, "story"), strict=True)
+    )
