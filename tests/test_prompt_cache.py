@@ -20,6 +20,7 @@ from sinkscope.wan.text import encode_prompts, load_prompt_segments, make_demo_t
 from sinkscope.workflow.entries import prompt_text
 from sinkscope.workflow.gpus import job_device
 from sinkscope.workflow.params import prompt_encoder, prompt_segment_params
+from sinkscope.workflow.plan import format_plan
 from sinkscope.workflow.prompt_cache import (
     INDEX_NAME,
     cached_prompt,
@@ -28,6 +29,8 @@ from sinkscope.workflow.prompt_cache import (
     prompt_key,
 )
 from sinkscope.workflow.resources import encode_gpus, encode_mem_mb
+
+from .test_config import checked
 
 STORY = {
     "segments": [
@@ -222,3 +225,20 @@ def test_a_job_that_copies_from_the_cache_loads_no_torch(encoder_dir, tmp_path):
     assert all(
         torch.equal(a, b) for a, b in zip(copied, own_encoding(config, "story"), strict=True)
     )
+
+
+def test_the_plan_says_when_encode_all_prompts_would_save_loads(encoder_dir, tmp_path, monkeypatch):
+    def with_encoder(config):
+        config["text_encoder"] = {"path": str(encoder_dir), "text_len": 24}
+        config["prompts"]["boat"] = "A boat at dawn"
+
+    config = checked(with_encoder)
+    monkeypatch.chdir(tmp_path)  # results/ is relative to the workdir
+    assert "text encoder: 3 prompts to encode, each job loading" in format_plan(config)
+    (tmp_path / "results/prompts").mkdir(parents=True)
+    (tmp_path / "results/prompts/boat.safetensors").write_bytes(b"")  # encoded already
+    assert "text encoder: 2 prompts to encode" in format_plan(config)
+    fill(config, tmp_path / "results/prompt_cache")
+    assert "text encoder:" not in format_plan(config)
+    # The demo's encoder loads in milliseconds: no advice.
+    assert "text encoder:" not in format_plan(checked())

@@ -26,12 +26,15 @@ from .entries import (
     closed_loop_runs,
     export_layers,
     frame_layers,
+    is_demo_encoder,
     survey_layers,
     survey_video_runs,
     token_layers,
     token_stores,
     video_runs,
 )
+from .params import prompt_encoder
+from .prompt_cache import PROMPT_CACHE, cached_prompt
 from .resources import (
     GPU_DTYPE_BYTES,
     gpu_dtype,
@@ -215,6 +218,13 @@ def format_plan(config: dict) -> str:
         f"  attention explorer (estimate): about {_size(explorer_estimate(config))} in "
         "results/explorer/ (the videos linked, not copied)"
     )
+    loads = _encoder_loads(config)
+    if loads:
+        lines.append(
+            f"  text encoder: {loads} prompts to encode, each job loading the encoder; "
+            f"`snakemake ... encode_all_prompts` first encodes them all into {PROMPT_CACHE}/ "
+            "with it loaded once, and their jobs copy them (docs/GUIDE.md)"
+        )
     gpu = _largest_gpu_job(config)
     if gpu is not None:
         job, parts = gpu
@@ -239,6 +249,23 @@ def format_plan(config: dict) -> str:
             "all but the latents the same at any length)"
         )
     return "\n".join(lines)
+
+
+def _encoder_loads(config: dict) -> int:
+    """How many encode jobs would load the real text encoder (the demo's loads in
+    milliseconds): prompts not yet encoded, not bringing embeddings, not in the prompt cache.
+    Counted only when more than one, where `encode_all_prompts` saves loads."""
+    encoder = config.get("text_encoder")
+    if encoder is None or is_demo_encoder(encoder):
+        return 0
+    loads = sum(
+        1
+        for name in config["prompts"]
+        if prompt_encoder(config, name) is not None
+        and not Path(f"results/prompts/{name}.safetensors").exists()
+        and cached_prompt(config, name) is None
+    )
+    return loads if loads > 1 else 0
 
 
 def _largest_decode_job(config: dict) -> tuple[str, int, int, dict] | None:
