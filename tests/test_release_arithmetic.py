@@ -10,6 +10,8 @@ releases' bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -220,7 +222,10 @@ def test_the_reference_tells_the_old_roundings_apart(monkeypatch):
         )
         return normed.type_as(x)
 
-    model = bf16_model()
+    # Wider than WIDE: the kernel and the float32 form part in about one element of a thousand,
+    # and in WIDE's rollout none falls where they do on a CPU with AVX-512 (an AVX2 one parts
+    # them there); at 256 channels every seed tried parts them on both.
+    model = bf16_model(dataclasses.replace(WIDE, dim=256, ffn_dim=384))
     for target, name, old in (
         (sampling, "add_noise", three_roundings),
         (wan_model.LayerNorm, "forward", float32_layer_norm),
