@@ -12,6 +12,6 @@ with job_log(snakemake.log[0]):
         snakemake.params.cache["encoder"],
         device=snakemake.params.device,
         dtype=snakemake.params.dtype,
-        on_truncate=snakemake.config["text_encoder"]["truncate"],
+        on_truncate=snakemake.config.get("text_encoder", {}).get("truncate", "warn"),
         claim=job_device,
     )

@@ -15,29 +15,19 @@ from pathlib import Path
 
 from sinkscope.segments import Segment
 from sinkscope.storage import atomic_path
-from sinkscope.workflow.prompt_cache import INDEX_NAME, PROMPT_CACHE, cache_entry, encoding_key
+from sinkscope.workflow.prompt_cache import (
+    INDEX_NAME,
+    PROMPT_CACHE,
+    cache_entry,
+    cached_entry,
+    encoding_key,
+)
 
 log = logging.getLogger(__name__)
 
 
 def _segments(text: str, segments: list[dict] | None) -> list[Segment]:
     return [Segment(**segment) for segment in segments or [{"text": text}]]
-
-
-def cached_encoding(
-    text: str,
-    segments: list[dict] | None,
-    encoder: dict,
-    device: str,
-    dtype: str,
-    folder: str | Path,
-) -> Path | None:
-    """The cache's entry for an encode job of these params, if it is there."""
-    key = encoding_key(text, segments, encoder, device, dtype)
-    if key is None:
-        return None
-    path = cache_entry(key, folder)
-    return path if path.is_file() else None
 
 
 def copy_encoding(source: str | Path, out: str | Path) -> None:
@@ -67,7 +57,7 @@ def encode_prompt_job(
 
         import_prompt_embedding(embeddings, out, prompt=text)
         return
-    cached = cached_encoding(text, segments, encoder, device, dtype, cache)
+    cached = cached_entry(encoding_key(text, segments, encoder, device, dtype), cache)
     if cached is not None:
         copy_encoding(cached, out)
         log.info("copied %s from the prompt cache (rule encode_all_prompts)", cached)

@@ -69,6 +69,14 @@ def cache_entry(key: str, folder: str | Path = PROMPT_CACHE) -> Path:
     return Path(folder) / f"{key}.safetensors"
 
 
+def cached_entry(key: str | None, folder: str | Path = PROMPT_CACHE) -> Path | None:
+    """The cache's entry under `key`, if it is there."""
+    if key is None:
+        return None
+    path = cache_entry(key, folder)
+    return path if path.is_file() else None
+
+
 def prompt_key(config: dict, name: str) -> str | None:
     """The cache key of prompt `name` (`encoding_key` of its encode job's params); None when it
     brings its own embeddings or the encoder is not there."""
@@ -86,11 +94,7 @@ def prompt_key(config: dict, name: str) -> str | None:
 
 def cached_prompt(config: dict, name: str, folder: str | Path = PROMPT_CACHE) -> Path | None:
     """The cache entry an `encode_prompt` job of `name` would copy, if it is there."""
-    key = prompt_key(config, name)
-    if key is None:
-        return None
-    path = cache_entry(key, folder)
-    return path if path.is_file() else None
+    return cached_entry(prompt_key(config, name), folder)
 
 
 def prompt_cache_inputs(config: dict) -> dict[str, str]:
