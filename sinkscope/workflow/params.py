@@ -46,6 +46,11 @@ def prompt_encoder(config: dict, name: str) -> dict | None:
     """The text-encoder settings a prompt's job depends on (none when it brings embeddings)."""
     if prompt_embeddings(config, name) is not None:
         return None
+    return encoder_settings(config)
+
+
+def encoder_settings(config: dict) -> dict:
+    """`text_encoder` as the encode jobs get it: what decides the bytes they write."""
     # `truncate` decides whether the job fails, not what it writes: not a param.
     encoder = {k: v for k, v in config["text_encoder"].items() if k != "truncate"}
     return canonical(encoder)

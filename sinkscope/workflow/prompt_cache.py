@@ -22,7 +22,13 @@ import os
 from pathlib import Path
 
 from .entries import prompt_text, uses_text_encoder
-from .params import canonical, encoder_inputs, prompt_encoder, prompt_segment_params
+from .params import (
+    canonical,
+    encoder_inputs,
+    encoder_settings,
+    prompt_encoder,
+    prompt_segment_params,
+)
 
 PROMPT_CACHE = "results/prompt_cache"
 INDEX_NAME = "index.json"
@@ -118,5 +124,4 @@ def prompt_cache_params(config: dict) -> dict:
         for name in config["prompts"]
         if prompt_encoder(config, name) is not None
     }
-    encoder = {k: v for k, v in config["text_encoder"].items() if k != "truncate"}
-    return {"encoder": canonical(encoder), "prompts": prompts}
+    return {"encoder": encoder_settings(config), "prompts": prompts}
