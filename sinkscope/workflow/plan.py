@@ -33,8 +33,7 @@ from .entries import (
     token_stores,
     video_runs,
 )
-from .params import prompt_encoder
-from .prompt_cache import PROMPT_CACHE, cached_prompt
+from .prompt_cache import PROMPT_CACHE, loads_encoder
 from .resources import (
     GPU_DTYPE_BYTES,
     gpu_dtype,
@@ -261,9 +260,7 @@ def _encoder_loads(config: dict) -> int:
     loads = sum(
         1
         for name in config["prompts"]
-        if prompt_encoder(config, name) is not None
-        and not Path(f"results/prompts/{name}.safetensors").exists()
-        and cached_prompt(config, name) is None
+        if loads_encoder(config, name) and not Path(f"results/prompts/{name}.safetensors").exists()
     )
     return loads if loads > 1 else 0
 

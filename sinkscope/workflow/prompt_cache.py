@@ -103,6 +103,12 @@ def cached_prompt(config: dict, name: str, folder: str | Path = PROMPT_CACHE) ->
     return cached_entry(prompt_key(config, name), folder)
 
 
+def loads_encoder(config: dict, name: str) -> bool:
+    """Whether the `encode_prompt` job of `name` loads the text encoder: the prompt brings no
+    embeddings and its entry is not in the cache (else the job copies a file)."""
+    return prompt_encoder(config, name) is not None and cached_prompt(config, name) is None
+
+
 def prompt_cache_inputs(config: dict) -> dict[str, str]:
     """Inputs of `encode_all_prompts`: the text encoder (and tokenizer); none when every prompt
     brings its embeddings."""

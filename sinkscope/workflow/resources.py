@@ -39,14 +39,16 @@ from .entries import (
     token_passes,
     vae_path,
 )
-from .params import extraction_gpus, prompt_encoder
-from .prompt_cache import cached_prompt
+from .params import extraction_gpus
+from .prompt_cache import loads_encoder
 
 # Floors: interpreter, torch, CUDA context, zarr buffers and the writer queue (capture peaked at
 # 1.5 GB, reduce at 0.5 GB in the benchmarks).
 EXTRACT_BASE_MB = 6000
 REDUCE_MB = 3000
 ENCODE_BASE_MB = 4000
+# An encode job that copies embeddings (its prompt's own, or the prompt cache's entry).
+COPY_MEM_MB = 1000
 # Rates for the runtime limit: a quarter to a third of what the benchmarks measured.
 WRITE_MB_PER_S = 50.0
 READ_MB_PER_S = 50.0
@@ -224,22 +226,18 @@ def reduce_runtime(config: dict, name: str) -> int:
 def encode_gpus(config: dict, prompt: str, local: bool = False) -> int:
     """A prompt that brings its embeddings, or whose encoding is in the prompt cache, needs no
     GPU to be copied (`local`: extraction_gpus)."""
-    if prompt_encoder(config, prompt) is None or cached_prompt(config, prompt):
-        return 0
-    return extraction_gpus(config, local)
+    return extraction_gpus(config, local) if loads_encoder(config, prompt) else 0
 
 
 def encode_mem_mb(config: dict, prompt: str) -> int:
     """An encode job's memory: the encoder's weights and a floor; 1000 MB for a copy."""
-    if prompt_encoder(config, prompt) is None or cached_prompt(config, prompt):
-        return 1000
-    return encoder_mem_mb(config)
+    return encoder_mem_mb(config) if loads_encoder(config, prompt) else COPY_MEM_MB
 
 
 def encoder_mem_mb(config: dict) -> int:
     """A job that loads the text encoder: its weights (1.25x, a pickle's copy) and a floor."""
     if "text_encoder" not in config:
-        return 1000
+        return COPY_MEM_MB
     path = config["text_encoder"]["path"]
     if os.path.isdir(path):
         size = files_mb([os.path.join(path, f) for f in os.listdir(path)])
